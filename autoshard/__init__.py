@@ -1,0 +1,21 @@
+"""autoshard: one call picks DDP, FSDP2 ZeRO-2 or ZeRO-3, mixed precision and activation
+checkpointing from the memory every GPU really has free, and proves the choice with a trial step.
+
+    model, optimizer, plan = autoshard.prepare(model, optimizer, example_batch=batch)
+"""
+
+from autoshard._plan import Attempt, Candidate, DoesNotFit, Plan
+from autoshard._prepare import Prepared, plan, prepare
+from autoshard._strategy import Strategy
+
+__all__ = [
+    "Attempt",
+    "Candidate",
+    "DoesNotFit",
+    "Plan",
+    "Prepared",
+    "Strategy",
+    "plan",
+    "prepare",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""How a batch is fed to the model and turned into a loss: one convention, used by the trace and
+by the trial step alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A Mapping is passed as keyword arguments, a tuple/list as positional ones, anything else
+    (a tensor) as the single argument: the conventions of Hugging Face and of plain scripts."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call_model(model: Callable[..., Any], batch: Any) -> Any:
+    args, kwargs = split_batch(batch)
+    return model(*args, **kwargs)
+
+
+def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """`loss_fn(output, batch)` when given, else `output.loss` (or `output["loss"]`), else the
+    output summed in fp32, which exercises the same memory as a real loss of that output."""
+    if loss_fn is not None:
+        return loss_fn(output, batch)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in _leaves(output) if t.is_floating_point()]
+    if not tensors:
+        raise ValueError(
+            "cannot derive a loss from the model's output: it has no `loss` and no floating-point "
+            "tensor; pass loss_fn=lambda output, batch: ... to prepare()"
+        )
+    return sum((t.float().sum() for t in tensors), torch.zeros((), device=tensors[0].device))
+
+
+def batch_to(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a (nested) batch to `device`."""
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def batch_bytes(batch: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(batch))
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        return x
+
+    if hasattr(obj, "to_tuple"):  # Hugging Face ModelOutput
+        obj = obj.to_tuple()
+    tree_map(visit, obj)
+    return found

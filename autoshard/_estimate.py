@@ -1,0 +1,152 @@
+"""Per-rank memory footprint of one candidate, as a breakdown of named terms.
+
+Every term below is a formula over what was measured (parameter sizes, optimizer state, the traced
+activations); the comment on each says what it counts and where the rule comes from. The peak is
+the larger of two phases: forward/backward (activations alive) and the optimizer step (activations
+freed, optimizer temporaries alive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from autoshard._strategy import Strategy
+from autoshard._trace import ActivationProfile
+
+# Caching-allocator rounding and fragmentation, gloo/NCCL-internal buffers and other memory no
+# tensor accounts for, as a share of the tensor bytes. The CPU figure in DESIGN.md section 3 (DDP
+# 404 MiB allocator peak vs 383 MiB tracked) is a 5% gap.
+ALLOCATOR_MARGIN = 0.05
+# A CUDA context not created yet costs this much once it is (hundreds of MiB: DESIGN.md section 3).
+CUDA_CONTEXT_BYTES = 512 * 2**20
+# NCCL's own buffers per communicator: NCCL_BUFFSIZE (4 MiB) x channels, rounded up.
+NCCL_BUFFER_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Sizes of the model and optimizer, unsharded, measured once before any candidate.
+
+    Attributes:
+        param_bytes: all parameters in their stored dtype.
+        trainable_bytes: parameters with requires_grad (they get gradients and optimizer state).
+        floating_numel: elements of floating-point parameters (cast under mixed precision).
+        block_numel: floating elements of each repeated block (an FSDP unit each).
+        optimizer_bytes: optimizer state after its first step (`_optim.optimizer_state_bytes`).
+        optimizer_reason: how optimizer_bytes was counted.
+        input_bytes: bytes of the example batch.
+    """
+
+    param_bytes: int
+    trainable_bytes: int
+    floating_numel: int
+    block_numel: tuple[int, ...]
+    optimizer_bytes: int
+    optimizer_reason: str
+    input_bytes: int
+
+    @property
+    def root_numel(self) -> int:
+        """Elements outside the blocks: the root FSDP unit (embeddings, head, final norm)."""
+        return self.floating_numel - sum(self.block_numel)
+
+
+def model_stats(
+    model: nn.Module, blocks: list[nn.Module], optimizer_bytes: int, reason: str, input_bytes: int
+) -> ModelStats:
+    params = list(model.parameters())
+    return ModelStats(
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        floating_numel=sum(p.numel() for p in params if p.is_floating_point()),
+        block_numel=tuple(
+            sum(p.numel() for p in b.parameters() if p.is_floating_point()) for b in blocks
+        ),
+        optimizer_bytes=optimizer_bytes,
+        optimizer_reason=reason,
+        input_bytes=input_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Estimated per-rank peak bytes of one candidate, term by term (see `estimate`)."""
+
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    comm_buffers: int
+    temporaries: int
+    overheads: int
+
+    @property
+    def peak(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a candidate is, for the estimator: how it shards, checkpoints and casts."""
+
+    strategy: Strategy
+    checkpointed: int
+    world_size: int
+    compute_bytes: int  # element size of the compute dtype (2 under bf16/fp16)
+    param_element_bytes: int  # element size of the stored parameters (4 for fp32)
+    device_type: str
+    cuda_context_pending: bool
+
+
+def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:
+    sharded = s.strategy in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    n = s.world_size if sharded else 1
+    # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
+    # stage 3 the parameters too. FSDP2 keeps the stored parameter sharded under both; what
+    # differs is how much is unsharded at once (comm_buffers below).
+    params = -(-stats.param_bytes // n)
+    # DDP uses gradient_as_bucket_view=True: the gradients ARE the all-reduce buckets, one copy.
+    grads = -(-stats.trainable_bytes // n)
+    optimizer_state = -(-stats.optimizer_bytes // n)
+    activations = stats.input_bytes
+    if profile is not None:
+        activations += profile.activation_bytes(s.checkpointed)
+    comm = _unsharded_bytes(stats, s)
+    # Backward holds the gradient of the largest saved activation next to the activation itself.
+    backward_temp = 2 * profile.largest_saved_bytes if profile is not None else 0
+    # foreach optimizers materialise about one parameter-sized list of intermediates at the step
+    # (e.g. Adam's sqrt(exp_avg_sq)), when activations and gathered parameters are already freed.
+    step_temp = grads if stats.optimizer_bytes else 0
+    temporaries = max(backward_temp, step_temp - activations - comm)
+    tensors = params + grads + optimizer_state + activations + comm + temporaries
+    overheads = int(ALLOCATOR_MARGIN * tensors)
+    if s.device_type == "cuda":
+        overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
+        overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
+    return Footprint(params, grads, optimizer_state, activations, comm, temporaries, overheads)
+
+
+def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
+    """Parameters all-gathered by FSDP2 and gradients waiting for reduce-scatter.
+
+    FSDP2 all-gathers into a separate unsharded buffer in the compute dtype. SHARD_GRAD_OP keeps
+    every unit unsharded from its forward until its backward; FULL_SHARD reshards each block after
+    forward, holding at most the current and the prefetched block, plus the root, which FSDP2
+    never reshards after forward (`fully_shard` docstring). Reduce-scatter needs the unsharded
+    gradient of one unit in flight, and its output overlaps the next one's: two blocks' worth.
+    """
+    if s.strategy not in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+        return 0
+    element = s.compute_bytes
+    largest_block = max(stats.block_numel, default=0)
+    reduce_scatter = 2 * largest_block * s.param_element_bytes
+    if s.strategy == Strategy.SHARD_GRAD_OP:
+        return stats.floating_numel * element + reduce_scatter
+    return (stats.root_numel + 2 * largest_block) * element + reduce_scatter
+
+
+def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else param_element_bytes

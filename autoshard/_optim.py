@@ -1,0 +1,107 @@
+"""The optimizer: how much state it will hold, and re-binding it in place to wrapped parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _adam_like(group: Mapping[str, Any]) -> int:
+    return 3 if group.get("amsgrad", False) else 2
+
+
+def _sgd(group: Mapping[str, Any]) -> int:
+    return 1 if group.get("momentum", 0) else 0
+
+
+def _rmsprop(group: Mapping[str, Any]) -> int:
+    return 1 + (1 if group.get("momentum", 0) else 0) + (1 if group.get("centered", False) else 0)
+
+
+# Full-size state tensors per parameter, read off each optimizer's `_init_group` in torch/optim.
+# Scalar states (`step`, NAdam's `mu_product`) are counted separately as 4 bytes each.
+_STATES_PER_PARAM = {
+    "Adam": _adam_like,
+    "AdamW": _adam_like,
+    "Adamax": lambda g: 2,  # exp_avg, exp_inf
+    "NAdam": lambda g: 2,  # exp_avg, exp_avg_sq
+    "RAdam": lambda g: 2,  # exp_avg, exp_avg_sq
+    "Adadelta": lambda g: 2,  # square_avg, acc_delta
+    "Adagrad": lambda g: 1,  # sum
+    "Rprop": lambda g: 2,  # prev, step_size
+    "ASGD": lambda g: 1,  # ax (eta and mu are scalars)
+    "SGD": _sgd,
+    "RMSprop": _rmsprop,
+}
+_ASSUMED_STATES = 2
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+    """Bytes of optimizer state once every trainable parameter has taken a step, and why.
+
+    States are kept in the parameter's dtype (fp32 master weights under mixed precision), so this
+    is per-parameter-size x states; sharding divides it by the world size.
+    """
+    name = type(optimizer).__name__
+    rule = _STATES_PER_PARAM.get(name)
+    total = 0
+    for group in optimizer.param_groups:
+        states = rule(group) if rule is not None else _ASSUMED_STATES
+        for param in group["params"]:
+            if param.requires_grad:
+                total += states * param.numel() * param.element_size() + 4
+    if rule is None:
+        return total, f"{name}: unknown optimizer, assumed {_ASSUMED_STATES} states per parameter"
+    counts = sorted({rule(g) for g in optimizer.param_groups})
+    return total, f"{name}: {'/'.join(map(str, counts))} state(s) per parameter"
+
+
+def unowned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    owned = {id(p) for p in model.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first qualified name, taken before wrapping changes anything."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def rebind(
+    optimizer: torch.optim.Optimizer,
+    old_names: dict[int, str],
+    new_params: dict[str, torch.Tensor],
+) -> None:
+    """Point every param group at the wrapped parameters, in place, and re-key its state.
+
+    The optimizer object, its param_groups dicts and every hyper-parameter in them stay as they
+    are, so an LR scheduler built on this optimizer keeps working. State already held is moved to
+    the new parameter's device and, for a sharded (DTensor) parameter, sharded like it; without
+    the re-keying the state would silently stay attached to the old tensors (accelerate #3855).
+    """
+    mapping: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        rebound = []
+        for param in group["params"]:
+            new = new_params[old_names[id(param)]]
+            mapping[id(param)] = new
+            rebound.append(new)
+        group["params"] = rebound
+    old_state = list(optimizer.state.items())
+    optimizer.state.clear()
+    for param, state in old_state:
+        target = mapping.get(id(param))
+        if target is not None:
+            optimizer.state[target] = {k: _like(v, param, target) for k, v in state.items()}
+
+
+def _like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    if not isinstance(value, torch.Tensor) or value.shape != old.shape:
+        return value  # scalars such as `step` keep their device and dtype
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(new, DTensor):
+        return distribute_tensor(value.to(new.device), new.device_mesh, new.placements)
+    return value.to(new.device)

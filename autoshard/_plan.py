@@ -1,0 +1,326 @@
+"""From estimates to a decision: candidates, the cost model, and the Plan. Pure: no process group,
+no module is touched, so the whole decision table is testable in milliseconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from autoshard._estimate import Footprint, ModelStats, Setting, estimate
+from autoshard._strategy import Strategy
+from autoshard._trace import ActivationProfile
+from autoshard._units import human, table_unit
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughput assumptions of the cost model. They rank candidates against each other; they are
+    not predictions of step time.
+
+    Attributes:
+        flops_per_s: sustained matmul throughput in the compute dtype.
+        intra_node_bytes_per_s: collective bus bandwidth between ranks of one node.
+        inter_node_bytes_per_s: collective bus bandwidth across nodes.
+        memory_bytes_per_s: device memory bandwidth (FSDP2's copy-in/copy-out of gathered buffers).
+        collective_latency_s: fixed cost of launching one collective.
+    """
+
+    flops_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    memory_bytes_per_s: float
+    collective_latency_s: float
+
+
+def hardware_for(
+    device_type: str, capability: tuple[int, int] | None, low_precision: bool
+) -> Hardware:
+    """Round figures for the device class: about half the datasheet peak, as training sustains."""
+    if device_type != "cuda":
+        # gloo over loopback/TCP; a CPU core sustains tens of GFLOP/s in fp32 matmul.
+        return Hardware(5e10, 2e9, 1e9, 1e10, 1e-4)
+    major = capability[0] if capability else 8
+    if major >= 9:  # Hopper: ~990 TFLOP/s dense bf16, ~67 fp32 (TF32 off by default in torch)
+        flops = 4e14 if low_precision else 3e13
+    elif major == 8:  # Ampere: ~312 bf16, ~19.5 fp32
+        flops = 1.5e14 if low_precision else 1e13
+    else:  # Volta/Turing: ~125 fp16 tensor cores, ~15 fp32
+        flops = 6e13 if low_precision else 7e12
+    # NVLink-class intra-node bus bandwidth, 200 Gb/s-class inter-node, HBM-class memory.
+    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train and what it would cost.
+
+    Attributes:
+        strategy: the wrapping.
+        activation_checkpointing: number of blocks checkpointed (the first ones).
+        footprint: estimated per-rank peak, by term.
+        step_seconds: modelled step time; only its order among candidates matters.
+        fits: the estimated peak is within the usable memory.
+    """
+
+    strategy: Strategy
+    activation_checkpointing: int
+    footprint: Footprint
+    step_seconds: float
+    fits: bool
+
+    @property
+    def estimated_peak_bytes(self) -> int:
+        return self.footprint.peak
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the decision depends on, measured or stated beforehand."""
+
+    stats: ModelStats
+    profile: ActivationProfile | None
+    world_size: int
+    num_nodes: int
+    usable_bytes: int
+    setting: Setting  # template: strategy and checkpointed are filled per candidate
+    hardware: Hardware
+    num_blocks: int
+    mixed_precision: str
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One trial step: the candidate tried, how it ended, and its measured per-rank peak."""
+
+    strategy: Strategy
+    activation_checkpointing: int
+    outcome: str
+    measured_peak_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What autoshard chose, why, and what every candidate would have cost (per rank)."""
+
+    strategy: Strategy
+    mixed_precision: str
+    activation_checkpointing: int
+    cpu_offload: bool
+    estimated_peak_bytes: int
+    measured_peak_bytes: int | None
+    device_memory_bytes: int
+    world_size: int
+    num_blocks: int
+    candidates: tuple[Candidate, ...]
+    reasons: tuple[str, ...]
+    attempts: tuple[Attempt, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def strategies_for(world_size: int, distributed: bool) -> tuple[Strategy, ...]:
+    if not distributed or world_size == 1:
+        return (Strategy.LOCAL,)
+    return (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+
+
+def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
+    """Modelled step time: compute (3x forward, plus one forward of each checkpointed block),
+    overlapped with gradient/parameter traffic, plus collective launches and FSDP2's copies.
+
+    Traffic per rank for a ring over N ranks moves (N-1)/N of the payload per pass: DDP
+    all-reduces gradients (2 passes), ZeRO-2 all-gathers parameters once and reduce-scatters
+    gradients (2 passes), ZeRO-3 all-gathers again in backward (3 passes).
+    """
+    hw, stats, s = inputs.hardware, inputs.stats, inputs.setting
+    forward = inputs.profile.total_forward_flops if inputs.profile is not None else 0
+    recompute = inputs.profile.recompute_flops(checkpointed) if inputs.profile else 0
+    compute = (3 * forward + recompute) / hw.flops_per_s
+    n = inputs.world_size
+    ring = (n - 1) / n if n > 1 else 0.0
+    bandwidth = hw.intra_node_bytes_per_s if inputs.num_nodes <= 1 else hw.inter_node_bytes_per_s
+    gathered = stats.floating_numel * s.compute_bytes
+    reduced = stats.trainable_bytes
+    units = len(stats.block_numel) + 1
+    if strategy == Strategy.LOCAL:
+        return compute
+    if strategy == Strategy.DDP:
+        buckets = max(1, -(-reduced // (25 * 2**20)))  # DDP's default bucket_cap_mb=25
+        return max(compute, 2 * reduced * ring / bandwidth) + buckets * hw.collective_latency_s
+    passes = 2 if strategy == Strategy.FULL_SHARD else 1
+    traffic = (passes * gathered + reduced) * ring / bandwidth
+    copies = 2 * passes * gathered / hw.memory_bytes_per_s
+    launches = (passes + 1) * units * hw.collective_latency_s
+    return max(compute, traffic) + copies + launches
+
+
+def candidate(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> Candidate:
+    setting = replace(inputs.setting, strategy=strategy, checkpointed=checkpointed)
+    footprint = estimate(inputs.stats, inputs.profile, setting)
+    seconds = step_seconds(inputs, strategy, checkpointed)
+    return Candidate(
+        strategy, checkpointed, footprint, seconds, footprint.peak <= inputs.usable_bytes
+    )
+
+
+def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
+    """The candidate of `strategy` that checkpoints as few blocks as fit, else the smallest peak.
+
+    A linear scan: activation bytes are not monotone in the count (checkpointing every block
+    raises the recompute peak above checkpointing most of them), and each estimate is arithmetic.
+    """
+    counts = range(inputs.num_blocks + 1) if inputs.profile is not None else range(1)
+    options = [candidate(inputs, strategy, k) for k in counts]
+    return next((c for c in options if c.fits), min(options, key=lambda c: c.estimated_peak_bytes))
+
+
+def decide(
+    inputs: PlanInputs,
+    strategies: tuple[Strategy, ...],
+    forced_strategy: Strategy | None,
+    forced_ac: int | None,
+) -> Plan:
+    """Choose the fastest candidate whose estimated peak fits; forced choices are obeyed."""
+    shown: list[Candidate] = []
+    for strategy in strategies:
+        plain = candidate(inputs, strategy, forced_ac if forced_ac is not None else 0)
+        shown.append(plain)
+        if forced_ac is None and not plain.fits and inputs.num_blocks:
+            shown.append(frugal_candidate(inputs, strategy))
+    reasons = list(inputs.reasons)
+    if forced_strategy is not None:
+        pool = [c for c in shown if c.strategy == forced_strategy]
+        chosen = next((c for c in pool if c.fits), pool[-1])
+        reasons.append(f"strategy {forced_strategy} forced by the caller")
+        if not chosen.fits:
+            reasons.append(
+                f"warning: {forced_strategy} is estimated at {human(chosen.estimated_peak_bytes)} "
+                f"per rank, above the usable {human(inputs.usable_bytes)}"
+            )
+    else:
+        fitting = [c for c in shown if c.fits]
+        if not fitting:
+            raise DoesNotFit(inputs, min(shown, key=lambda c: c.estimated_peak_bytes))
+        chosen = min(fitting, key=lambda c: c.step_seconds)
+        reasons.append(_why(chosen, shown))
+    return Plan(
+        strategy=chosen.strategy,
+        mixed_precision=inputs.mixed_precision,
+        activation_checkpointing=chosen.activation_checkpointing,
+        cpu_offload=False,
+        estimated_peak_bytes=chosen.estimated_peak_bytes,
+        measured_peak_bytes=None,
+        device_memory_bytes=inputs.usable_bytes,
+        world_size=inputs.world_size,
+        num_blocks=inputs.num_blocks,
+        candidates=tuple(shown),
+        reasons=tuple(reasons),
+    )
+
+
+def _why(chosen: Candidate, shown: list[Candidate]) -> str:
+    faster = [c for c in shown if c.step_seconds < chosen.step_seconds and not c.fits]
+    ac = (
+        f" with {chosen.activation_checkpointing} block(s) checkpointed"
+        if chosen.activation_checkpointing
+        else ""
+    )
+    text = f"chose {chosen.strategy}{ac}: the fastest candidate whose estimated peak fits"
+    if faster:
+        names = ", ".join(sorted({str(c.strategy) for c in faster}))
+        text += f" ({names} would be faster but do not fit)"
+    return text
+
+
+class DoesNotFit(ValueError):
+    """No candidate fits the usable memory; the message says how much is missing and what helps."""
+
+    def __init__(self, inputs: PlanInputs, best: Candidate) -> None:
+        missing = best.estimated_peak_bytes - inputs.usable_bytes
+        fp = best.footprint
+        activation_share = fp.activations / max(fp.peak, 1)
+        super().__init__(
+            f"no strategy fits: the most frugal candidate, {best.strategy} with "
+            f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, needs "
+            f"{human(best.estimated_peak_bytes)} per rank but {human(inputs.usable_bytes)} is "
+            f"usable: {human(missing)} missing. Activations are {activation_share:.0%} of that "
+            f"peak (a smaller per-rank batch shrinks them); parameters, gradients and optimizer "
+            f"state shrink with more ranks under FULL_SHARD; or raise memory_limit if it is set "
+            f"below what the device has."
+        )
+        self.missing_bytes = missing
+
+
+_HEADER = (
+    "candidate",
+    "AC",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "comm",
+    "temp",
+    "other",
+    "peak",
+    "step",
+    "fits",
+)
+
+
+def render(plan: Plan) -> str:
+    """The plan as a table: one row per candidate, bytes per rank, the chosen one marked."""
+    unit, size = table_unit(max((c.estimated_peak_bytes for c in plan.candidates), default=0))
+    rows: list[tuple[str, ...]] = [_HEADER]
+    for c in plan.candidates:
+        f = c.footprint
+        chosen = (
+            c.strategy == plan.strategy
+            and c.activation_checkpointing == plan.activation_checkpointing
+        )
+        terms = (
+            f.params,
+            f.grads,
+            f.optimizer_state,
+            f.activations,
+            f.comm_buffers,
+            f.temporaries,
+            f.overheads,
+            f.peak,
+        )
+        rows.append(
+            (
+                ("* " if chosen else "  ") + str(c.strategy),
+                f"{c.activation_checkpointing}/{plan.num_blocks}",
+                *(f"{x / size:.2f}" for x in terms),
+                f"{c.step_seconds * 1e3:.1f}ms",
+                "yes" if c.fits else "no",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join(
+            x.ljust(w) if i == 0 else x.rjust(w)
+            for i, (x, w) in enumerate(zip(row, widths, strict=True))
+        )
+
+    measured = plan.measured_peak_bytes
+    lines = [
+        f"autoshard plan: {plan.strategy}, mixed precision {plan.mixed_precision}, "
+        f"activation checkpointing {plan.activation_checkpointing}/{plan.num_blocks} blocks, "
+        f"world size {plan.world_size}",
+        f"usable memory per rank {human(plan.device_memory_bytes)}; estimated peak "
+        f"{human(plan.estimated_peak_bytes)}"
+        + (f"; measured {human(measured)}" if measured is not None else ""),
+        line(rows[0]) + f"   ({unit} per rank; step time modelled, for ranking only)",
+        *(line(row) for row in rows[1:]),
+    ]
+    for attempt in plan.attempts:
+        peak = attempt.measured_peak_bytes
+        lines.append(
+            f"trial: {attempt.strategy} AC {attempt.activation_checkpointing}: {attempt.outcome}"
+            + (f", measured peak {human(peak)}" if peak is not None else "")
+        )
+    lines.extend(f"- {reason}" for reason in plan.reasons)
+    return "\n".join(lines)

@@ -1,0 +1,398 @@
+"""prepare() and plan(): measure, agree across ranks, decide, wrap, prove."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from autoshard import _trial
+from autoshard._apply import DTYPES
+from autoshard._batch import LossFn, batch_bytes
+from autoshard._blocks import find_blocks
+from autoshard._estimate import Setting, model_stats
+from autoshard._optim import optimizer_state_bytes
+from autoshard._plan import Plan, PlanInputs, decide, hardware_for, strategies_for
+from autoshard._trace import ActivationProfile, profile_step
+from autoshard._units import human, parse_bytes
+from autoshard._validate import Request, check_model, check_optimizer, check_request
+from autoshard._world import Memory, RankReport, World, agree, local_memory, resolve
+
+logger = logging.getLogger("autoshard")
+
+
+class _PreparedFields(NamedTuple):
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    plan: Plan
+
+
+class Prepared(_PreparedFields):
+    """What `prepare` returns: unpack as `model, optimizer, plan = prepare(...)`.
+
+    Attributes:
+        model: DistributedDataParallel, an FSDP2 module (the module passed in), or the module
+            itself.
+        optimizer: the optimizer passed in, re-bound in place to the wrapped parameters.
+        plan: what was chosen and why.
+        scaler: a gradient scaler when fp16 mixed precision is on (use it as
+            `scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`), else None.
+    """
+
+    scaler: Any
+
+    def __new__(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, scaler: Any = None
+    ) -> Prepared:
+        self = super().__new__(cls, model, optimizer, plan)
+        self.scaler = scaler
+        return self
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """One rank's measurements, exchanged in the agreement collective."""
+
+    profile: ActivationProfile | None
+    trace_note: str
+
+
+def resolve_mixed_precision(
+    requested: str, device: torch.device, model: nn.Module
+) -> tuple[str, str]:
+    """The mixed precision to use and why (every automatic choice carries its reason)."""
+    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if floating and floating <= {torch.bfloat16, torch.float16}:
+        return "no", f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
+    if requested != "auto":
+        return requested, f"mixed precision {requested} requested by the caller"
+    if device.type != "cuda":
+        return "bf16", "mixed precision bf16 (auto): CPU autocast supports bf16"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return "bf16", f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
+    return "fp16", (
+        f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
+        f"gradient scaler (prepared.scaler)"
+    )
+
+
+def _fingerprint(model: nn.Module, request: Request) -> tuple[Any, ...]:
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+    return (("model", digest.hexdigest()[:16]), ("request", request), ("torch", torch.__version__))
+
+
+def _measure(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+) -> _Measured:
+    if batch is None:
+        return _Measured(
+            None, "no example_batch: activations are not estimated and no trial step can run"
+        )
+    try:
+        profile = profile_step(model, blocks, batch, loss_fn, dtype)
+    except Exception as error:  # data-dependent control flow and the like cannot be traced
+        return _Measured(
+            None,
+            f"the example batch could not be traced ({type(error).__name__}: {error}); "
+            f"activations not estimated",
+        )
+    return _Measured(
+        profile,
+        f"activations traced from the example batch "
+        f"({human(profile.activation_bytes(0))} saved for backward)",
+    )
+
+
+def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception | None) -> None:
+    if own is not None:
+        raise own
+    failed = [r for r in reports if r.error is not None]
+    if failed:
+        first = failed[0]
+        raise ValueError(f"rank {first.rank} rejected its arguments to prepare(): {first.error}")
+    reference = reports[0].fingerprint
+    differing = [r.rank for r in reports if r.fingerprint != reference]
+    if differing:
+        other = reports[differing[0]].fingerprint
+        fields = [name for (name, a), (_, b) in zip(reference, other, strict=True) if a != b]
+        raise ValueError(
+            f"ranks disagree with rank 0 on {', '.join(fields)} (ranks {differing}): every rank "
+            f"must build the same model and call prepare() with the same arguments"
+        )
+
+
+def _usable(reports: list[RankReport], limit: int | None) -> tuple[int, str]:
+    low = min(reports, key=lambda r: r.memory.free_bytes)
+    text = (
+        f"free memory per rank {human(low.memory.free_bytes)} (minimum over {len(reports)} "
+        f"rank(s), rank {low.rank}: {low.memory.source})"
+    )
+    if limit is not None and limit < low.memory.free_bytes:
+        return limit, f"{text}, capped by memory_limit at {human(limit)}"
+    return low.memory.free_bytes, text
+
+
+def _inputs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    blocks: list[nn.Module],
+    batch: Any,
+    profile: ActivationProfile | None,
+    world_size: int,
+    num_nodes: int,
+    usable: int,
+    device: torch.device,
+    mixed_precision: str,
+    reasons: list[str],
+) -> PlanInputs:
+    opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
+    stats = model_stats(
+        model, blocks, opt_bytes, opt_reason, batch_bytes(batch) if batch is not None else 0
+    )
+    element = max(
+        (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4
+    )
+    dtype = DTYPES[mixed_precision]
+    setting = Setting(
+        strategy=strategies_for(world_size, True)[0],
+        checkpointed=0,
+        world_size=world_size,
+        compute_bytes=torch.empty((), dtype=dtype).element_size() if dtype else element,
+        param_element_bytes=element,
+        device_type=device.type,
+        cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
+    )
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return PlanInputs(
+        stats=stats,
+        profile=profile,
+        world_size=world_size,
+        num_nodes=num_nodes,
+        usable_bytes=usable,
+        setting=setting,
+        hardware=hardware_for(device.type, capability, dtype is not None),
+        num_blocks=len(blocks),
+        mixed_precision=mixed_precision,
+        reasons=(*reasons, f"optimizer state: {opt_reason}"),
+    )
+
+
+def _worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
+    """Every rank decides from the same data: the largest activation profile any rank traced."""
+    known = [p for p in profiles if p is not None]
+    return max(known, key=lambda p: p.activation_bytes(0)) if known else None
+
+
+def _forced_ac(request: Request, num_blocks: int) -> int | None:
+    ac = request.activation_checkpointing
+    if ac is None:
+        return None
+    if ac == -1:
+        return num_blocks
+    if ac > num_blocks:
+        raise ValueError(
+            f"activation_checkpointing={ac} but the model has only {num_blocks} repeated block(s)"
+        )
+    return ac
+
+
+def _validate(model: Any, optimizer: Any, loss_fn: Any, options: dict[str, Any]) -> Request:
+    check_model(model)
+    check_optimizer(model, optimizer)
+    return check_request(loss_fn=loss_fn, **options)
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any = None,
+    *,
+    loss_fn: LossFn | None = None,
+    strategy: str = "auto",
+    mixed_precision: str = "auto",
+    activation_checkpointing: str | int | bool = "auto",
+    memory_limit: int | str | None = None,
+    trial_step: bool = True,
+) -> Prepared:
+    """Choose the fastest wrapping that fits, apply it, prove it with one trial step.
+
+    Args:
+        model: the unwrapped module, identical on every rank (parameters are broadcast from
+            rank 0 before sharding, as DDP does).
+        optimizer: built on `model.parameters()`; returned as the same object, re-bound in place.
+        example_batch: one batch as this rank feeds it: a Mapping is passed as keyword arguments,
+            a tuple/list as positional ones, a tensor as the only argument. Its activations are
+            traced (no real memory) and the trial step trains on it.
+        loss_fn: `loss_fn(output, batch) -> loss`; default `output.loss`, else the output summed.
+        strategy: "auto", "ddp", "shard_grad_op", "full_shard" (or a `Strategy`).
+        mixed_precision: "auto" (bf16 where supported, fp16 + scaler on older GPUs), "bf16",
+            "fp16" or "no".
+        activation_checkpointing: "auto" (as few blocks as needed to fit), a number of blocks,
+            True (all) or False (none).
+        memory_limit: caps the usable memory per rank: bytes or a string such as "20GiB".
+        trial_step: run one real training step on `example_batch` and fall back on OOM; the
+            model, optimizer and RNG are restored to what was passed in afterwards.
+
+    Returns:
+        `Prepared(model, optimizer, plan)`, with `.scaler` for fp16.
+
+    Raises:
+        TypeError, ValueError: bad arguments, on any rank (raised on every rank, before anything
+            is changed); `DoesNotFit` (a ValueError) when no candidate fits.
+    """
+    options = dict(
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
+        memory_limit=memory_limit,
+        trial_step=trial_step,
+    )
+    own_error: Exception | None = None
+    try:
+        request = _validate(model, optimizer, loss_fn, options)
+    except (TypeError, ValueError) as error:
+        own_error = error
+    world = resolve(init=True)
+    if own_error is not None and not world.distributed:
+        raise own_error
+    memory = local_memory(world)
+    measured, blocks, reasons = None, [], list(world.reasons)
+    if own_error is None:
+        names = [name for name, _ in find_blocks(model)]
+        blocks = [model.get_submodule(n) for n in names]
+        mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
+        reasons += [mp_reason, _blocks_reason(model, names)]
+        measured = _measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+    reports = agree(
+        world,
+        memory,
+        _fingerprint(model, request) if own_error is None else (),
+        None if own_error is None else str(own_error),
+        measured,
+    )
+    _raise_rank_errors(reports, world, own_error)
+    assert measured is not None  # every rank without an error measured
+    usable, usable_reason = _usable(reports, request.memory_limit)
+    num_nodes = len({r.host for r in reports})
+    inputs = _inputs(
+        model,
+        optimizer,
+        blocks,
+        example_batch,
+        _worst([r.measured.profile for r in reports]),
+        world.world_size,
+        num_nodes,
+        usable,
+        world.device,
+        mp,
+        [*reasons, usable_reason, measured.trace_note],
+    )
+    forced_ac = _forced_ac(request, len(blocks))
+    plan = decide(
+        inputs, strategies_for(world.world_size, world.distributed), request.strategy, forced_ac
+    )
+    _check_strategy_possible(plan, world)
+    wrapped, scaler, plan = _trial.wrap_and_prove(
+        model, optimizer, plan, world, names, example_batch, loss_fn, trial_step
+    )
+    if world.rank == 0:
+        logger.info("\n%s", plan)
+    return Prepared(wrapped, optimizer, plan, scaler)
+
+
+def _check_strategy_possible(plan: Plan, world: World) -> None:
+    if plan.strategy.value != "local" and not world.distributed:
+        raise ValueError(
+            f"strategy {plan.strategy} needs a process group; launch with torchrun or accelerate "
+            f"launch (or use strategy='auto', which trains this single process unwrapped)"
+        )
+
+
+def _blocks_reason(model: nn.Module, names: list[str]) -> str:
+    if not names:
+        return "no repeated blocks found: the model is one FSDP unit, not checkpointed per block"
+    source = (
+        "_no_split_modules"
+        if getattr(model, "_no_split_modules", None)
+        else "the largest list of same-class children"
+    )
+    return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+
+
+def plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any = None,
+    *,
+    world_size: int | None = None,
+    num_nodes: int = 1,
+    device_memory: int | str | None = None,
+    loss_fn: LossFn | None = None,
+    strategy: str = "auto",
+    mixed_precision: str = "auto",
+    activation_checkpointing: str | int | bool = "auto",
+    memory_limit: int | str | None = None,
+) -> Plan:
+    """Decide only: no process group is needed and nothing is wrapped (what-if planning).
+
+    Args:
+        model, optimizer, example_batch, loss_fn, strategy, mixed_precision,
+        activation_checkpointing, memory_limit: as for `prepare`.
+        world_size: ranks to plan for (default: the current process group's size, else 1).
+        num_nodes: nodes the ranks span (for the bandwidth the cost model assumes).
+        device_memory: free memory of each rank's device, bytes or "80GiB" (default: measured
+            on this machine).
+    """
+    request = _validate(
+        model,
+        optimizer,
+        loss_fn,
+        dict(
+            strategy=strategy,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            memory_limit=memory_limit,
+            trial_step=False,
+        ),
+    )
+    world = resolve(init=False)
+    size = world.world_size if world_size is None else world_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if device_memory is None:
+        memory = local_memory(world)
+    else:
+        free = parse_bytes(device_memory, what="device_memory")
+        memory = Memory(free, free, "device_memory given by the caller")
+    names = [name for name, _ in find_blocks(model)]
+    blocks = [model.get_submodule(n) for n in names]
+    mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
+    measured = _measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+    report = RankReport(0, "planner", memory, (), None, measured)
+    usable, usable_reason = _usable([report], request.memory_limit)
+    inputs = _inputs(
+        model,
+        optimizer,
+        blocks,
+        example_batch,
+        measured.profile,
+        size,
+        num_nodes,
+        usable,
+        world.device,
+        mp,
+        [mp_reason, _blocks_reason(model, names), usable_reason, measured.trace_note],
+    )
+    forced_ac = _forced_ac(request, len(blocks))
+    return decide(inputs, strategies_for(size, size > 1), request.strategy, forced_ac)

@@ -1,0 +1,199 @@
+"""Measure what one training step of `example_batch` holds, without real memory.
+
+The model the user built is traced as it is: its parameters and the batch are converted to fake
+tensors (`FakeTensorMode.from_tensor` allocates nothing) and the step runs through
+`torch.func.functional_call`, so no copy of the model is made and none of its tensors change.
+What is measured:
+
+- the bytes autograd saves for backward, attributed to the block that saved them (saved-tensor
+  hooks, storages deduplicated), and each block's input bytes: with these the activation memory of
+  any number of checkpointed blocks is derived without tracing again;
+- forward FLOPs per block (`FlopCounterMode`), the compute term of the cost model and the price of
+  recomputing a checkpointed block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoshard._batch import LossFn, compute_loss, split_batch
+
+logger = logging.getLogger("autoshard")
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one step of the example batch saves and computes (per rank, unsharded model).
+
+    Attributes:
+        block_saved_bytes: bytes saved for backward inside each block (in block order).
+        block_input_bytes: bytes of each block's input, which a checkpointed block still keeps.
+        other_saved_bytes: bytes saved outside the blocks (embeddings, head, loss).
+        largest_saved_bytes: the largest single saved storage; its gradient is the largest
+            temporary of backward.
+        block_forward_flops: forward FLOPs of each block.
+        total_forward_flops: forward FLOPs of the whole model and loss.
+        compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
+    """
+
+    block_saved_bytes: tuple[int, ...]
+    block_input_bytes: tuple[int, ...]
+    other_saved_bytes: int
+    largest_saved_bytes: int
+    block_forward_flops: tuple[int, ...]
+    total_forward_flops: int
+    compute_dtype: torch.dtype
+
+    def activation_bytes(self, checkpointed: int) -> int:
+        """Peak activation bytes with the first `checkpointed` blocks checkpointed.
+
+        A checkpointed block keeps only its input in forward (Chen et al. 2016, "Training Deep
+        Nets with Sublinear Memory Cost", section 3). Backward visits blocks in reverse, so when
+        checkpointed block j is recomputed the blocks after it have already freed theirs: then
+        alive are the tensors saved outside blocks, the inputs of blocks 0..j-1 and block j's
+        recomputed saved tensors. The peak is the larger of that and the end of forward.
+        """
+        saved = self.other_saved_bytes + sum(self.block_saved_bytes)
+        k = min(max(checkpointed, 0), len(self.block_saved_bytes))
+        if k == 0:
+            return saved
+        dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
+        recompute = max(
+            self.other_saved_bytes + sum(self.block_input_bytes[:j]) + self.block_saved_bytes[j]
+            for j in range(k)
+        )
+        return max(saved - dropped, recompute)
+
+    def recompute_flops(self, checkpointed: int) -> int:
+        return sum(self.block_forward_flops[: max(checkpointed, 0)])
+
+
+class _Attribution:
+    """Tracks which block is running and which storages each one saved."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self.current: int | None = None
+        self.owner: dict[int, int | None] = {}
+        self.nbytes: dict[int, int] = {}
+        self.inputs = [0] * n_blocks
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self.owner:
+            self.owner[key] = self.current
+            self.nbytes[key] = storage.nbytes()
+        return tensor
+
+    def saved_by(self, block: int | None) -> int:
+        return sum(self.nbytes[k] for k, owner in self.owner.items() if owner == block)
+
+
+def profile_step(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    autocast_dtype: torch.dtype | None,
+) -> ActivationProfile:
+    """Trace one forward and backward of `batch` under FakeTensorMode and measure it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {n: _fake(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
+    state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
+    fake_batch = tree_map(
+        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
+    )
+    attribution = _Attribution(len(blocks))
+    block_flops = [0] * len(blocks)
+    counter = FlopCounterMode(display=False)
+    handles = _attribution_hooks(blocks, attribution, counter, block_flops)
+    device_type = _device_type(model)
+    autocast = (
+        torch.autocast(device_type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    try:
+        with mode, counter, torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack):
+            with autocast:
+                args, kwargs = split_batch(fake_batch)
+                output = torch.func.functional_call(model, state, args, kwargs)
+            loss = compute_loss(output, fake_batch, loss_fn)
+            forward_flops = counter.get_total_flops()
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    sizes = list(attribution.nbytes.values())
+    return ActivationProfile(
+        block_saved_bytes=tuple(attribution.saved_by(i) for i in range(len(blocks))),
+        block_input_bytes=tuple(attribution.inputs),
+        other_saved_bytes=attribution.saved_by(None),
+        largest_saved_bytes=max(sizes, default=0),
+        block_forward_flops=tuple(block_flops),
+        total_forward_flops=forward_flops,
+        compute_dtype=autocast_dtype or _param_dtype(model),
+    )
+
+
+def _fake(mode: Any, param: torch.Tensor) -> torch.Tensor:
+    fake = mode.from_tensor(param)
+    fake.requires_grad_(param.requires_grad)
+    return fake
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _attribution_hooks(
+    blocks: list[nn.Module],
+    attribution: _Attribution,
+    counter: Any,
+    block_flops: list[int],
+) -> list[Any]:
+    handles = []
+    for index, block in enumerate(blocks):
+
+        def pre(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
+            attribution.current = index
+            attribution.inputs[index] = sum(
+                t.untyped_storage().nbytes()
+                for t in _tensors((args, kwargs))
+                if t.is_floating_point()
+            )
+            block_flops[index] = -counter.get_total_flops()
+
+        def post(module: nn.Module, args: Any, kwargs: Any, out: Any, index: int = index) -> None:
+            attribution.current = None
+            block_flops[index] += counter.get_total_flops()
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda x: found.append(x) if isinstance(x, torch.Tensor) else None, obj)
+    return found
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None else torch.float32

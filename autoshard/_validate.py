@@ -1,0 +1,139 @@
+"""Checks of the caller's arguments, run before anything is touched. Every failure names the
+problem and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard._optim import unowned_parameters
+from autoshard._strategy import Strategy
+from autoshard._units import parse_bytes
+
+MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
+
+
+@dataclass(frozen=True)
+class Request:
+    """The caller's choices, normalised: None means "auto"."""
+
+    strategy: Strategy | None
+    mixed_precision: str
+    activation_checkpointing: int | None
+    memory_limit: int | None
+
+
+def check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.DataParallel):
+        raise ValueError(
+            "model is wrapped in torch.nn.DataParallel, which runs one process over several GPUs "
+            "through a single Python thread and is obsolete; pass the unwrapped model "
+            "(model.module) and launch one process per GPU with torchrun"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "model is already wrapped in DistributedDataParallel; pass the unwrapped model "
+            "(model.module) and let autoshard choose the wrapping"
+        )
+    _check_not_sharded(model)
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"model {type(model).__name__} has no trainable parameters (none with "
+            f"requires_grad=True); there is nothing to train"
+        )
+    if any(p.is_meta for p in params):
+        raise ValueError(
+            "model has parameters on the meta device; materialise them first "
+            "(model.to_empty(device=...) and initialise), then call prepare"
+        )
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            where = f"submodule '{name}'" if name else "model"
+            raise ValueError(
+                f"{where} is already sharded with FSDP ({type(module).__name__}); pass the model "
+                f"before any fully_shard/FullyShardedDataParallel call and let autoshard wrap it"
+            )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter '{name}' is already a DTensor (sharded or distributed); pass the model "
+                f"with plain tensors and let autoshard distribute it"
+            )
+
+
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer built on model.parameters(), got "
+            f"{type(optimizer).__name__}"
+        )
+    foreign = unowned_parameters(model, optimizer)
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that model does not own (shapes "
+            f"{shapes}{', ...' if len(foreign) > 3 else ''}); build the optimizer on "
+            f"model.parameters() of the model passed to prepare"
+        )
+
+
+def check_request(
+    strategy: Any,
+    mixed_precision: Any,
+    activation_checkpointing: Any,
+    memory_limit: Any,
+    loss_fn: Any,
+    trial_step: Any,
+) -> Request:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, batch), got {loss_fn!r}")
+    if not isinstance(trial_step, bool):
+        raise TypeError(f"trial_step must be True or False, got {trial_step!r}")
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not one of "
+            f"{', '.join(map(repr, MIXED_PRECISION))}"
+        )
+    return Request(
+        strategy=parse_strategy(strategy),
+        mixed_precision=mixed_precision,
+        activation_checkpointing=_parse_checkpointing(activation_checkpointing),
+        memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
+    )
+
+
+def parse_strategy(value: Any) -> Strategy | None:
+    if isinstance(value, Strategy):
+        return value
+    if value == "auto":
+        return None
+    choices = ["auto", *(s.value for s in Strategy)]
+    if isinstance(value, str) and value.lower() in choices[1:]:
+        return Strategy(value.lower())
+    raise ValueError(f"strategy={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _parse_checkpointing(value: Any) -> int | None:
+    """ "auto" -> None; True -> every block (-1 until the blocks are known); False -> 0; an int."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool):
+        return -1 if value else 0
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(
+        f"activation_checkpointing={value!r} must be 'auto', True (every block), False (none) "
+        f"or a number of blocks >= 0"
+    )

@@ -1,0 +1,163 @@
+"""Who this process is and how much memory it has: the only module that reads the environment.
+
+rank, local rank, world size, backend and training device come from the process group (or
+the variables torchrun and `accelerate launch` set); free memory from pynvml on GPU (falling back
+to `torch.cuda.mem_get_info`) and from psutil on CPU. What must hold on every rank is agreed with
+one collective: `agree`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("autoshard")
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job.
+
+    Attributes:
+        rank, local_rank, world_size, local_world_size: as torchrun defines them.
+        backend: the process group's backend, or None when there is none.
+        device: where training runs: `cuda:<local_rank>` on GPU, else `cpu`.
+        distributed: a process group exists (even of one rank).
+        reasons: what was detected or done (a process group initialised, and how).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str | None
+    device: torch.device
+    distributed: bool
+    reasons: tuple[str, ...] = ()
+
+
+def launched_by_torchrun() -> bool:
+    return all(var in os.environ for var in _LAUNCHER_VARS)
+
+
+def resolve(*, init: bool) -> World:
+    """Describe this process; with `init`, initialise the process group torchrun asked for."""
+    reasons: list[str] = []
+    if not dist.is_initialized() and init and launched_by_torchrun():
+        reasons.append(_init_process_group())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
+        )
+        return World(0, 0, 1, 1, None, device, False, tuple(reasons))
+    backend = str(dist.get_backend())
+    on_gpu = _cuda() and "nccl" in backend
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    world_size = dist.get_world_size()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return World(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        backend=backend,
+        device=device,
+        distributed=True,
+        reasons=tuple(reasons),
+    )
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _init_process_group() -> str:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if _cuda():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return f"launched by torchrun: initialised the process group (nccl, cuda:{local_rank})"
+    dist.init_process_group("gloo")
+    return "launched by torchrun with no GPU: initialised the process group (gloo, cpu)"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory one rank may use.
+
+    Attributes:
+        free_bytes: free now: GPU memory free on this rank's device, or on CPU the host RAM
+            available divided among this node's ranks (they share it).
+        total_bytes: the device's total (host RAM on CPU).
+        source: where the figure came from, for the plan's reasons.
+    """
+
+    free_bytes: int
+    total_bytes: int
+    source: str
+
+
+def local_memory(world: World) -> Memory:
+    if world.device.type == "cuda":
+        return _gpu_memory(world.device)
+    import psutil
+
+    vm = psutil.virtual_memory()
+    share = max(world.local_world_size, 1)
+    source = f"host RAM available (psutil) / {share} rank(s) on this node"
+    return Memory(vm.available // share, vm.total // share, source)
+
+
+def _gpu_memory(device: torch.device) -> Memory:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return Memory(int(info.free), int(info.total), f"pynvml, GPU {uuid}")
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as error:  # NVML missing or refused: the CUDA runtime can still tell
+        free, total = torch.cuda.mem_get_info(index)
+        return Memory(free, total, f"torch.cuda.mem_get_info (pynvml unavailable: {error})")
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank contributes to the agreement collective."""
+
+    rank: int
+    host: str
+    memory: Memory
+    fingerprint: tuple[Any, ...]
+    error: str | None
+    measured: Any
+
+
+def agree(
+    world: World, memory: Memory, fingerprint: tuple[Any, ...], error: str | None, measured: Any
+) -> list[RankReport]:
+    """Exchange every rank's memory, host, argument fingerprint, validation error and traced
+    activations in one
+    collective, so that every rank reaches the same decision (or raises the same error) and no
+    rank is left waiting in a collective another rank never enters."""
+    mine = RankReport(world.rank, socket.gethostname(), memory, fingerprint, error, measured)
+    if not world.distributed:
+        return [mine]
+    reports: list[Any] = [None] * world.world_size
+    dist.all_gather_object(reports, mine)
+    return reports
