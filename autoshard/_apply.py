@@ -1,15 +1,21 @@
 """The only code that wraps modules. Applied in a fixed order, as torchtitan does:
 
 1. move the model to the training device;
-2. activation checkpointing on the first k blocks (before sharding, so FSDP2 shards the wrapper);
+2. activation checkpointing on the first k blocks (composable `checkpoint`: hooks, no change to
+   the module tree or parameter names, and more blocks can be checkpointed later in place);
 3. one of: FSDP2 `fully_shard` per block, then the root | DDP | nothing (one process);
    mixed precision is FSDP2's `MixedPrecisionPolicy` under FSDP, autocast otherwise;
 4. re-bind the optimizer, in place, to the parameters as they now are.
+
+`Wrapping` keeps what has been applied so that the trial step can move to a more frugal rung
+without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in place with
+`set_reshard_after_forward`, and DDP -> FSDP by unwrapping DDP (which leaves the module as it was).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,66 +24,79 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoshard._optim import parameter_names, rebind
-from autoshard._plan import Plan
 from autoshard._strategy import Strategy
 from autoshard._world import World
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
 
+@dataclass
+class Wrapping:
+    """What has been applied to one model so far."""
+
+    module: nn.Module  # the user's module, mutated in place by checkpoint / fully_shard
+    block_names: list[str]
+    world: World
+    mixed_precision: str
+    names: dict[int, str]  # id(original parameter) -> qualified name, taken before anything
+    strategy: Strategy | None = None
+    checkpointed: int = 0
+    ddp: nn.Module | None = None
+    scaler: Any = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> nn.Module:
+        """What the caller trains: the DDP wrapper, or the (possibly sharded) module itself."""
+        return self.ddp if self.ddp is not None else self.module
+
+
+def start(
+    module: nn.Module, block_names: list[str], world: World, mixed_precision: str
+) -> Wrapping:
+    names = parameter_names(module)
+    module.to(world.device)
+    return Wrapping(module, block_names, world, mixed_precision, names)
+
+
 def apply(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    plan: Plan,
-    world: World,
-    block_names: list[str],
-) -> tuple[nn.Module, Any]:
-    """Wrap `model` as `plan` says and re-bind `optimizer`; return (model, gradient scaler|None)."""
-    names = parameter_names(model)
-    model.to(world.device)
-    blocks = checkpoint_blocks(model, block_names[: plan.activation_checkpointing], block_names)
-    dtype = DTYPES[plan.mixed_precision]
-    if plan.strategy.sharded:
-        wrapped = _fully_shard(model, blocks, plan.strategy, dtype, world)
+    wrapping: Wrapping, optimizer: torch.optim.Optimizer, strategy: Strategy, checkpointed: int
+) -> None:
+    """Move `wrapping` to (strategy, checkpointed). Only escalations are possible once applied:
+    more checkpointed blocks, and DDP -> SHARD_GRAD_OP -> FULL_SHARD."""
+    checkpoint_blocks(wrapping, checkpointed)
+    if wrapping.strategy == strategy:
+        return
+    dtype = DTYPES[wrapping.mixed_precision]
+    if wrapping.strategy == Strategy.SHARD_GRAD_OP and strategy == Strategy.FULL_SHARD:
+        for name in wrapping.block_names:  # the root stays gathered, as fully_shard sets it
+            wrapping.module.get_submodule(name).set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+    elif strategy.sharded:
+        _unwrap_ddp(wrapping)
+        _fully_shard(wrapping, strategy, dtype)
     else:
         if dtype is not None:
-            autocast_forward(model, world.device.type, dtype)
-        wrapped = _ddp(model, world) if plan.strategy == Strategy.DDP else model
-    rebind(optimizer, names, wrapped_parameters(model))
-    return wrapped, _grad_scaler(plan, world)
+            autocast_forward(wrapping.module, wrapping.world.device.type, dtype)
+        if strategy == Strategy.DDP:
+            wrapping.ddp = ddp(wrapping.module, wrapping.world)
+    wrapping.strategy = strategy
+    wrapping.scaler = grad_scaler(wrapping)
+    rebind(optimizer, wrapping.names, dict(wrapping.module.named_parameters()))
+    wrapping.names = parameter_names(wrapping.module)  # the optimizer now holds these objects
 
 
-def checkpoint_blocks(model: nn.Module, names: list[str], all_names: list[str]) -> list[nn.Module]:
-    """Wrap the named blocks in `checkpoint_wrapper` (non-reentrant) where they sit in their
-    parent; return every block, wrapped or not, in order."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
+def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
+    """Checkpoint the first `count` blocks (those not checkpointed yet)."""
+    from torch.distributed._composable import checkpoint
 
-    for name in names:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        block = getattr(parent, attribute)
-        setattr(
-            parent,
-            attribute,
-            checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        )
-    return [model.get_submodule(name) for name in all_names]
-
-
-def wrapped_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by their original qualified name (checkpoint wrappers add a path component)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
-    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in model.named_parameters()}
+    for name in wrapping.block_names[wrapping.checkpointed : count]:
+        checkpoint(wrapping.module.get_submodule(name))
+    wrapping.checkpointed = max(wrapping.checkpointed, count)
 
 
 def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run `module.forward` under autocast and return floating outputs in fp32 (as accelerate
-    does), so a loss computed outside the model keeps full precision. Undone by
-    `del module.forward`."""
+    does), so a loss computed outside the model keeps full precision."""
     forward = module.forward
 
     @functools.wraps(forward)
@@ -86,7 +105,18 @@ def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) ->
             output = forward(*args, **kwargs)
         return tree_map(_to_fp32, output)
 
+    autocast_forward._autoshard_replaced = module.__dict__.get("forward")  # type: ignore[attr-defined]
     module.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def _remove_autocast(module: nn.Module) -> None:
+    forward = module.__dict__.get("forward")
+    if forward is None or not hasattr(forward, "_autoshard_replaced"):
+        return
+    if forward._autoshard_replaced is None:
+        del module.forward
+    else:
+        module.forward = forward._autoshard_replaced  # type: ignore[method-assign]
 
 
 def _to_fp32(x: Any) -> Any:
@@ -95,57 +125,60 @@ def _to_fp32(x: Any) -> Any:
     return x
 
 
-def _ddp(model: nn.Module, world: World) -> nn.Module:
+def ddp(module: nn.Module, world: World) -> nn.Module:
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     # gradient_as_bucket_view: gradients are views into the all-reduce buckets, saving one full
     # copy of the gradients (DESIGN.md section 3 measured that copy on gloo).
     return nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, gradient_as_bucket_view=True
+        module, device_ids=device_ids, gradient_as_bucket_view=True
     )
 
 
-def _fully_shard(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    strategy: Strategy,
-    dtype: torch.dtype | None,
-    world: World,
-) -> nn.Module:
+def _unwrap_ddp(wrapping: Wrapping) -> None:
+    """Drop the DDP wrapper (its reducer and hooks go with it) and the autocast forward."""
+    wrapping.ddp = None
+    _remove_autocast(wrapping.module)
+    for param in wrapping.module.parameters():
+        param.grad = None  # bucket views would keep DDP's buckets alive
+
+
+def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    _sync_from_rank0(model)
+    module, world = wrapping.module, wrapping.world
+    _sync_from_rank0(module)
     # An explicit mesh: without it FSDP2 may pick CUDA on a CPU/gloo job (DESIGN.md section 3).
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = strategy == Strategy.FULL_SHARD
+    reduce = torch.float32 if dtype is not None else None
     # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so the
     # loss is computed in full precision as under autocast, without fp32 copies between blocks.
-    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    outer = MixedPrecisionPolicy(
-        param_dtype=dtype,
-        reduce_dtype=torch.float32 if dtype else None,
-        output_dtype=torch.float32 if dtype else None,
-    )
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer)
-    return model
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+    outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
+    for name in wrapping.block_names:
+        fully_shard(
+            module.get_submodule(name), mesh=mesh, reshard_after_forward=reshard, mp_policy=inner
+        )
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer)
 
 
-def _sync_from_rank0(model: nn.Module) -> None:
+def _sync_from_rank0(module: nn.Module) -> None:
     """Broadcast parameters and buffers from rank 0 before sharding, as DDP does on construction:
     FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture."""
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=0)
 
 
-def _grad_scaler(plan: Plan, world: World) -> Any:
-    if plan.mixed_precision != "fp16":
+def grad_scaler(wrapping: Wrapping) -> Any:
+    """A fresh gradient scaler for fp16, else None."""
+    if wrapping.mixed_precision != "fp16":
         return None
-    if plan.strategy.sharded:
+    device_type = wrapping.world.device.type
+    if wrapping.strategy is not None and wrapping.strategy.sharded:
         # Each rank sees only its gradient shard: the scaler must agree on inf/NaN across ranks.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(world.device.type)
-    return torch.amp.GradScaler(world.device.type)
+        return ShardedGradScaler(device_type)
+    return torch.amp.GradScaler(device_type)

@@ -175,6 +175,51 @@ def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
     return next((c for c in options if c.fits), min(options, key=lambda c: c.estimated_peak_bytes))
 
 
+def all_candidates(
+    inputs: PlanInputs,
+    strategies: tuple[Strategy, ...],
+    forced_strategy: Strategy | None,
+    forced_ac: int | None,
+) -> list[Candidate]:
+    """Every rung the trial step may fall back to, within what the caller forced."""
+    counts = range(inputs.num_blocks + 1) if inputs.profile is not None else range(1)
+    return [
+        candidate(inputs, s, k)
+        for s in strategies
+        if forced_strategy in (None, s)
+        for k in (counts if forced_ac is None else (forced_ac,))
+    ]
+
+
+def after_trial(
+    plan: Plan,
+    chosen: Candidate,
+    attempts: tuple[Attempt, ...],
+    peak: int | None,
+    notes: tuple[str, ...],
+) -> Plan:
+    """The plan as the trial step left it: the rung kept, the attempts, the measured peak."""
+    candidates = plan.candidates
+    if chosen not in candidates:
+        candidates = (*candidates, chosen)
+    reasons = list(plan.reasons) + list(notes)
+    if len(attempts) > 1:
+        reasons.append(
+            f"the trial step fell back to {chosen.strategy} with "
+            f"{chosen.activation_checkpointing} block(s) checkpointed after running out of memory"
+        )
+    return replace(
+        plan,
+        strategy=chosen.strategy,
+        activation_checkpointing=chosen.activation_checkpointing,
+        estimated_peak_bytes=chosen.estimated_peak_bytes,
+        measured_peak_bytes=peak,
+        candidates=candidates,
+        attempts=attempts,
+        reasons=tuple(reasons),
+    )
+
+
 def decide(
     inputs: PlanInputs,
     strategies: tuple[Strategy, ...],
@@ -201,7 +246,7 @@ def decide(
     else:
         fitting = [c for c in shown if c.fits]
         if not fitting:
-            raise DoesNotFit(inputs, min(shown, key=lambda c: c.estimated_peak_bytes))
+            raise DoesNotFit.from_estimate(inputs, min(shown, key=lambda c: c.estimated_peak_bytes))
         chosen = min(fitting, key=lambda c: c.step_seconds)
         reasons.append(_why(chosen, shown))
     return Plan(
@@ -234,22 +279,31 @@ def _why(chosen: Candidate, shown: list[Candidate]) -> str:
 
 
 class DoesNotFit(ValueError):
-    """No candidate fits the usable memory; the message says how much is missing and what helps."""
+    """No candidate fits the usable memory; the message says how much is missing and what helps.
 
-    def __init__(self, inputs: PlanInputs, best: Candidate) -> None:
+    Attributes:
+        missing_bytes: per-rank bytes the most frugal candidate lacks (None when a trial step,
+            not the estimate, showed that nothing fits).
+    """
+
+    def __init__(self, message: str, missing_bytes: int | None) -> None:
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+
+    @classmethod
+    def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
         missing = best.estimated_peak_bytes - inputs.usable_bytes
-        fp = best.footprint
-        activation_share = fp.activations / max(fp.peak, 1)
-        super().__init__(
+        activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
+        return cls(
             f"no strategy fits: the most frugal candidate, {best.strategy} with "
             f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, needs "
             f"{human(best.estimated_peak_bytes)} per rank but {human(inputs.usable_bytes)} is "
             f"usable: {human(missing)} missing. Activations are {activation_share:.0%} of that "
             f"peak (a smaller per-rank batch shrinks them); parameters, gradients and optimizer "
             f"state shrink with more ranks under FULL_SHARD; or raise memory_limit if it is set "
-            f"below what the device has."
+            f"below what the device has.",
+            missing,
         )
-        self.missing_bytes = missing
 
 
 _HEADER = (

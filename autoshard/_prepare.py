@@ -10,14 +10,22 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autoshard import _trial
-from autoshard._apply import DTYPES
+from autoshard._apply import DTYPES, start
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._blocks import find_blocks
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes
-from autoshard._plan import Plan, PlanInputs, decide, hardware_for, strategies_for
+from autoshard._plan import (
+    Plan,
+    PlanInputs,
+    after_trial,
+    all_candidates,
+    decide,
+    hardware_for,
+    strategies_for,
+)
 from autoshard._trace import ActivationProfile, profile_step
+from autoshard._trial import prove
 from autoshard._units import human, parse_bytes
 from autoshard._validate import Request, check_model, check_optimizer, check_request
 from autoshard._world import Memory, RankReport, World, agree, local_memory, resolve
@@ -299,16 +307,32 @@ def prepare(
         [*reasons, usable_reason, measured.trace_note],
     )
     forced_ac = _forced_ac(request, len(blocks))
-    plan = decide(
-        inputs, strategies_for(world.world_size, world.distributed), request.strategy, forced_ac
-    )
+    strategies = strategies_for(world.world_size, world.distributed)
+    plan = decide(inputs, strategies, request.strategy, forced_ac)
     _check_strategy_possible(plan, world)
-    wrapped, scaler, plan = _trial.wrap_and_prove(
-        model, optimizer, plan, world, names, example_batch, loss_fn, trial_step
+    first = next(
+        c
+        for c in plan.candidates
+        if (c.strategy, c.activation_checkpointing)
+        == (plan.strategy, plan.activation_checkpointing)
     )
+    wrapping = start(model, names, world, plan.mixed_precision)
+    rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
+    result = prove(
+        wrapping,
+        optimizer,
+        first,
+        rungs,
+        example_batch,
+        loss_fn,
+        trial_step,
+        usable,
+        request.memory_limit,
+    )
+    plan = after_trial(plan, result.chosen, result.attempts, result.measured_peak, result.notes)
     if world.rank == 0:
         logger.info("\n%s", plan)
-    return Prepared(wrapped, optimizer, plan, scaler)
+    return Prepared(wrapping.model, optimizer, plan, wrapping.scaler)
 
 
 def _check_strategy_possible(plan: Plan, world: World) -> None:

@@ -1,4 +1,5 @@
-"""The trial step: one real training step with the chosen wrapping, then everything put back.
+"""The trial step: one real training step with the chosen wrapping; on an OOM on any rank, every
+rank moves to the same more frugal rung; afterwards everything is put back.
 
 What the step changes is snapshotted first and restored after: parameters and buffers (only this
 rank's shards, copied to host memory so the snapshot itself cannot exhaust the device), the
@@ -8,21 +9,39 @@ optimizer's state and hyper-parameters, and the CPU and CUDA RNG states. So trai
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard._apply import apply
+from autoshard._agree import (
+    ERROR,
+    FINE,
+    OOM,
+    Agreement,
+    PeerFailed,
+    ddp_sync_points,
+    fsdp_sync_points,
+)
+from autoshard._apply import Wrapping, apply, ddp
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
-from autoshard._plan import Attempt, Plan
-from autoshard._world import World
+from autoshard._plan import Attempt, Candidate
+from autoshard._units import human
 
-logger = logging.getLogger("autoshard")
+MAX_ATTEMPTS = 4
+
+
+def is_oom(error: BaseException) -> bool:
+    """Out of memory, by type: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
+    (c10's DefaultCPUAllocator raises a plain RuntimeError, so its message is the only mark)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 @dataclass
@@ -42,20 +61,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _host_copy(value: Any) -> Any:
+    return _local(value).detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
 def take_snapshot(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> Snapshot:
-    live = [_local(t) for t in [*model.parameters(), *model.buffers()]]
-    state = {
-        param: {
-            k: _local(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in s.items()
-        }
-        for param, s in optimizer.state.items()
-    }
+    live = [_local(t) for t in [*module.parameters(), *module.buffers()]]
     return Snapshot(
         tensors=[(t, t.detach().to("cpu", copy=True)) for t in live],
-        optimizer_state=state,
+        optimizer_state={
+            p: {k: _host_copy(v) for k, v in s.items()} for p, s in optimizer.state.items()
+        },
         group_options=[
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ],
@@ -65,34 +83,34 @@ def take_snapshot(
 
 
 def restore(
-    snapshot: Snapshot, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    snapshot: Snapshot, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> None:
+    """Copy the snapshot back in place; state the step created (a fresh optimizer's) is dropped.
+    The optimizer updates its state tensors in place, so those that existed are still the ones
+    it holds, on their own device (fused/capturable Adam keeps `step` on the GPU)."""
     with torch.no_grad():
         for live, copy in snapshot.tensors:
             live.copy_(copy)
-    for param in model.parameters():
+        for param in list(optimizer.state):
+            saved = snapshot.optimizer_state.get(param)
+            if saved is None:
+                del optimizer.state[param]
+                continue
+            state = optimizer.state[param]
+            for key in [k for k in state if k not in saved]:
+                del state[key]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                    _local(state[key]).copy_(value)
+                else:
+                    state[key] = value
+    for param in module.parameters():
         param.grad = None
-    current = dict(optimizer.state.items())
-    optimizer.state.clear()
-    for param, saved in snapshot.optimizer_state.items():
-        optimizer.state[param] = {
-            k: _restored(current.get(param, {}).get(k), v) for k, v in saved.items()
-        }
     for group, options in zip(optimizer.param_groups, snapshot.group_options, strict=True):
         group.update(options)
     torch.set_rng_state(snapshot.cpu_rng)
     if snapshot.cuda_rng is not None:
         torch.cuda.set_rng_state(snapshot.cuda_rng, device)
-
-
-def _restored(live: Any, saved: Any) -> Any:
-    if not isinstance(saved, torch.Tensor):
-        return saved
-    if isinstance(live, torch.Tensor):
-        with torch.no_grad():
-            _local(live).copy_(saved)
-        return live
-    return saved
 
 
 def run_step(
@@ -101,57 +119,282 @@ def run_step(
     batch: Any,
     loss_fn: LossFn | None,
     scaler: Any,
+    agreement: Agreement | None = None,
 ) -> float:
+    """Forward, backward, optimizer step, gradients cleared: one step as a training loop runs it."""
     output = call_model(model, batch)
     loss = compute_loss(output, batch, loss_fn)
-    value = float(loss.detach())
     del output
+    value = float(loss.detach())
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    del loss
+    if agreement is not None:
+        agreement.check()  # backward done everywhere before any optimizer collective
     if scaler is not None:
-        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
     else:
-        loss.backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return value
 
 
-def wrap_and_prove(
-    model: nn.Module,
+@dataclass
+class Outcome:
+    """How one attempt ended, as every rank agreed on it."""
+
+    codes: list[int]  # every rank's code: FINE, OOM or ERROR
+    peak: int | None  # the largest measured per-rank peak any rank reported
+    error: Exception | None  # what this rank itself raised first (None if a peer failed first)
+    seconds: float
+
+
+@contextlib.contextmanager
+def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
+    if wrapping.strategy is not None and wrapping.strategy.sharded:
+        with fsdp_sync_points(wrapping.module, agreement) as supported:
+            if not supported:
+                wrapping.notes.append(
+                    "this torch's FSDP2 has no pluggable comms: ranks agree only before the "
+                    "optimizer step and after the trial step"
+                )
+            yield
+    elif wrapping.ddp is not None:
+        handle = ddp_sync_points(wrapping.ddp, agreement)
+        try:
+            yield
+        finally:
+            handle.remove()
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _peak_meter(
+    wrapping: Wrapping, optimizer: torch.optim.Optimizer, box: list[int | None]
+) -> Iterator[None]:
+    """Measure the step's peak: the CUDA allocator's, or on CPU the tensor bytes torch's
+    MemTracker sees (it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
+    device = wrapping.world.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            yield
+        finally:
+            box[0] = torch.cuda.max_memory_allocated(device)
+        return
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(wrapping.module, optimizer)
+    try:
+        with tracker:
+            yield
+    finally:
+        box[0] = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
+
+
+@contextlib.contextmanager
+def _memory_cap(wrapping: Wrapping, limit: int | None) -> Iterator[None]:
+    """Enforce memory_limit for real on CUDA, so an over-budget rung really runs out of memory."""
+    device = wrapping.world.device
+    if device.type != "cuda" or limit is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def attempt(
+    wrapping: Wrapping,
     optimizer: torch.optim.Optimizer,
-    plan: Plan,
-    world: World,
-    block_names: list[str],
+    batch: Any,
+    loss_fn: LossFn | None,
+    usable: int,
+    limit: int | None,
+) -> Outcome:
+    """One trial step under sync points; every rank leaves with the same codes."""
+    agreement = Agreement(wrapping.world)
+    error: Exception | None = None
+    box: list[int | None] = [None]
+    started = time.perf_counter()
+    with _sync_points(wrapping, agreement), _memory_cap(wrapping, limit):
+        with _peak_meter(wrapping, optimizer, box):
+            try:
+                run_step(wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement)
+            except PeerFailed:
+                pass
+            except Exception as caught:  # classified below, outside the except block
+                error = caught
+    seconds = time.perf_counter() - started
+    learned = agreement.rows is not None  # a peer failed first: our own exception followed it
+    code = FINE
+    if error is not None and not learned:
+        code = OOM if is_oom(error) else ERROR
+    elif error is None and not learned and box[0] is not None and box[0] > usable:
+        code = OOM  # CPU: the tracked peak exceeded the usable memory
+    rows = agreement.sync(code, box[0] or 0)  # this rank's last sync point of the step
+    peak = max(p for _, p in rows) or None
+    # Keep only an error to re-raise: an OOM's traceback holds the step's frames, and with them
+    # its activations and (under DDP) the reducer, which must be freed before the next rung.
+    kept = error if code == ERROR else None
+    del error
+    return Outcome([c for c, _ in rows], peak, kept, seconds)
+
+
+def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool) -> None:
+    """Free what an aborted step left behind, outside any except block (a live traceback would
+    keep the step's tensors alive)."""
+    optimizer.zero_grad(set_to_none=True)
+    if failed and wrapping.strategy is not None and wrapping.strategy.sharded:
+        reset = getattr(wrapping.module, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+    if failed and wrapping.ddp is not None:
+        # The reducer of an aborted backward expects that backward to finish: start a fresh one.
+        wrapping.ddp = None
+        gc.collect()
+        wrapping.ddp = ddp(wrapping.module, wrapping.world)
+    gc.collect()
+    if wrapping.world.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+_ESCALATION = {"local": 0, "ddp": 0, "shard_grad_op": 1, "full_shard": 2}
+
+
+def next_rung(
+    options: list[Candidate],
+    failed: Candidate,
+    tried: set[tuple[str, int]],
+    usable: int,
+    peak: int | None,
+) -> Candidate | None:
+    """The fastest reachable rung that fits once every estimate is scaled by how far the failed
+    rung's estimate fell short; failing that, the most frugal one left."""
+    shortfall = max(1.0, max(peak or 0, usable) / max(failed.estimated_peak_bytes, 1))
+    reachable = [
+        c
+        for c in options
+        if _ESCALATION[c.strategy.value] >= _ESCALATION[failed.strategy.value]
+        and c.activation_checkpointing >= failed.activation_checkpointing
+        and (c.strategy.value, c.activation_checkpointing) not in tried
+        and c.estimated_peak_bytes < failed.estimated_peak_bytes
+    ]
+    fitting = [c for c in reachable if c.estimated_peak_bytes * shortfall <= usable]
+    if fitting:
+        return min(fitting, key=lambda c: c.step_seconds)
+    return min(reachable, key=lambda c: c.estimated_peak_bytes, default=None)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """Where the trial ended: the rung kept, every attempt, and the measured peak."""
+
+    chosen: Candidate
+    attempts: tuple[Attempt, ...]
+    measured_peak: int | None
+    notes: tuple[str, ...]
+
+
+def prove(
+    wrapping: Wrapping,
+    optimizer: torch.optim.Optimizer,
+    first: Candidate,
+    options: list[Candidate],
     batch: Any,
     loss_fn: LossFn | None,
     trial_step: bool,
-) -> tuple[nn.Module, Any, Plan]:
-    """Apply `plan`, then (with `trial_step` and a batch) train one step and restore."""
-    wrapped, scaler = apply(model, optimizer, plan, world, block_names)
+    usable: int,
+    limit: int | None,
+) -> TrialResult:
+    """Apply `first`; with a trial step, train one step, fall back together on OOM, restore."""
+    apply(wrapping, optimizer, first.strategy, first.activation_checkpointing)
     if not trial_step or batch is None:
         why = (
             "trial step off (trial_step=False)"
             if not trial_step
-            else "no trial step: no example_batch"
+            else "no example_batch: no trial step"
         )
-        return wrapped, scaler, dataclasses.replace(plan, reasons=(*plan.reasons, why))
-    snapshot = take_snapshot(model, optimizer, world.device)
-    if world.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(world.device)
-    started = time.perf_counter()
-    run_step(wrapped, optimizer, batch_to(batch, world.device), loss_fn, scaler)
-    seconds = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated(world.device) if world.device.type == "cuda" else None
-    restore(snapshot, model, optimizer, world.device)
-    attempt = Attempt(plan.strategy, plan.activation_checkpointing, f"ok in {seconds:.2f}s", peak)
-    return (
-        wrapped,
-        _fresh(scaler),
-        dataclasses.replace(plan, measured_peak_bytes=peak, attempts=(attempt,)),
+        return TrialResult(first, (), None, (why,))
+    batch = batch_to(batch, wrapping.world.device)
+    current, attempts, tried = first, [], set()
+    while True:
+        snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
+        outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
+        failed = any(outcome.codes)
+        _clean_up(wrapping, optimizer, failed)
+        restore(snapshot, wrapping.module, optimizer, wrapping.world.device)
+        del snapshot
+        if ERROR in outcome.codes:
+            _raise_error(outcome, wrapping)
+        label = (current.strategy, current.activation_checkpointing)
+        if not failed:
+            attempts.append(Attempt(*label, f"fit ({outcome.seconds:.2f}s)", outcome.peak))
+            _drop_trial_hooks(wrapping)
+            return TrialResult(current, tuple(attempts), outcome.peak, tuple(wrapping.notes))
+        ranks = [r for r, c in enumerate(outcome.codes) if c == OOM]
+        attempts.append(Attempt(*label, f"out of memory on rank(s) {ranks}", outcome.peak))
+        tried.add((current.strategy.value, current.activation_checkpointing))
+        following = None
+        if len(attempts) < MAX_ATTEMPTS:
+            following = next_rung(options, current, tried, usable, outcome.peak)
+        if following is None:
+            raise _exhausted(attempts, current, usable)
+        apply(wrapping, optimizer, following.strategy, following.activation_checkpointing)
+        current = following
+
+
+def _drop_trial_hooks(wrapping: Wrapping) -> None:
+    """DDP comm hooks cannot be removed: re-create the wrapper (it broadcasts rank 0's
+    parameters, identical on every rank after the restore). A fresh scaler too."""
+    if wrapping.ddp is not None:
+        wrapping.ddp = None
+        gc.collect()  # the old reducer must be gone before a new one hooks the same parameters
+        wrapping.ddp = ddp(wrapping.module, wrapping.world)
+    from autoshard._apply import grad_scaler
+
+    wrapping.scaler = grad_scaler(wrapping)
+
+
+def _raise_error(outcome: Outcome, wrapping: Wrapping) -> None:
+    """A non-OOM failure: every rank first learns what it was (one exchange, so none is left
+    waiting), then it is re-raised, unchanged, where it happened; elsewhere a RuntimeError says
+    where to look."""
+    world = wrapping.world
+    mine = f"{type(outcome.error).__name__}: {outcome.error}" if outcome.error else None
+    described: list[Any] = [mine]
+    if world.distributed:
+        import torch.distributed as dist
+
+        described = [None] * world.world_size
+        dist.all_gather_object(described, mine)
+    if outcome.error is not None:
+        raise outcome.error
+    rank = outcome.codes.index(ERROR)
+    raise RuntimeError(
+        f"rank {rank} failed during prepare()'s trial step with {described[rank]}; see rank "
+        f"{rank}'s traceback. This rank stopped instead of waiting for it."
     )
 
 
-def _fresh(scaler: Any) -> Any:
-    """A scaler as if no step had run (the trial's update() moved its scale)."""
-    return type(scaler)(scaler._device) if scaler is not None else None
+def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:
+    from autoshard._plan import DoesNotFit
+
+    tried = "; ".join(
+        f"{a.strategy} AC {a.activation_checkpointing}: {a.outcome}" for a in attempts
+    )
+    activations = last.footprint.activations / max(last.estimated_peak_bytes, 1)
+    return DoesNotFit(
+        f"the trial step ran out of memory on every rung it could try ({tried}). The last, "
+        f"{last.strategy} with {last.activation_checkpointing} block(s) checkpointed, was "
+        f"estimated at {human(last.estimated_peak_bytes)} per rank against {human(usable)} "
+        f"usable. Activations were {activations:.0%} of that estimate (a smaller per-rank batch "
+        f"shrinks them); more ranks shrink parameters, gradients and optimizer state under "
+        f"FULL_SHARD; or raise memory_limit if it is set below what the device has.",
+        missing_bytes=None,
+    )

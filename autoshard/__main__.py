@@ -1,0 +1,7 @@
+"""`python -m autoshard` runs the `autoshard` command."""
+
+import sys
+
+from autoshard.cli import main
+
+sys.exit(main())
