@@ -37,7 +37,7 @@ def _largest_uniform_container(model: nn.Module) -> list[tuple[str, nn.Module]]:
     best: list[tuple[str, nn.Module]] = []
     best_key = (0, 0)
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or module is model:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.named_children())
         if len(children) < 2 or len({type(child) for _, child in children}) != 1:
@@ -46,5 +46,6 @@ def _largest_uniform_container(model: nn.Module) -> list[tuple[str, nn.Module]]:
         key = (numel, len(children))
         if numel > 0 and key > best_key:
             best_key = key
-            best = [(f"{name}.{child_name}", child) for child_name, child in children]
+            prefix = f"{name}." if name else ""  # the model itself may be the container
+            best = [(prefix + child_name, child) for child_name, child in children]
     return best

@@ -24,9 +24,6 @@ from torch import nn
 import autoshard
 from autoshard._units import parse_bytes
 
-# ---------------------------------------------------------------------------------------------
-# Model
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -120,10 +117,6 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
 class MarkovChainData:
     """Token sequences from a fixed first-order Markov chain with a peaked transition table.
 
@@ -172,25 +165,21 @@ def plan_example() -> tuple[GPT, torch.optim.Optimizer, tuple[torch.Tensor, torc
     return model, optimizer, MarkovChainData(model.config.vocab_size, seed=0).batch(0, 8, 64, 0, 1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Program
+def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _steps_arg(text: str) -> int:
-    value = _positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError("must be at least 2: the demo checks the loss went down")
-    return value
+_positive_int = _int_at_least(1)
+_steps_arg = _int_at_least(2, " (the demo checks that the loss went down)")
 
 
 def _ac_arg(text: str) -> str | int:

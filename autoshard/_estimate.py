@@ -73,7 +73,8 @@ def model_stats(
 
 @dataclass(frozen=True)
 class Footprint:
-    """Estimated per-rank peak bytes of one candidate, term by term (see `estimate`)."""
+    """Estimated per-rank peak bytes of one candidate, term by term, at the moment of the peak
+    (see `estimate`): activations and comm_buffers are 0 when the optimizer step is the peak."""
 
     params: int
     grads: int
@@ -102,13 +103,18 @@ class Setting:
 
 
 def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:
-    sharded = s.strategy in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
-    n = s.world_size if sharded else 1
+    """The per-rank peak of one candidate, broken down at the moment it happens.
+
+    A step has two candidate peaks (steady state, `zero_grad(set_to_none=True)` between steps):
+    early in backward, with every activation alive, the gradients resident then and the
+    gathered parameters; and at the optimizer step, with activations and gathered parameters
+    freed but every gradient and the optimizer's temporaries alive. The larger one is the peak.
+    """
+    n = s.world_size if s.strategy.sharded else 1
     # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
     # stage 3 the parameters too. FSDP2 keeps the stored parameter sharded under both; what
-    # differs is how much is unsharded at once (comm_buffers below).
+    # differs is how much is unsharded at once (comm_buffers).
     params = -(-stats.param_bytes // n)
-    # DDP uses gradient_as_bucket_view=True: the gradients ARE the all-reduce buckets, one copy.
     grads = -(-stats.trainable_bytes // n)
     optimizer_state = -(-stats.optimizer_bytes // n)
     activations = stats.input_bytes
@@ -117,16 +123,40 @@ def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     comm = _unsharded_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself.
     backward_temp = 2 * profile.largest_saved_bytes if profile is not None else 0
+    backward = (
+        params,
+        _grads_in_backward(stats, s, grads),
+        optimizer_state,
+        activations,
+        comm,
+        backward_temp,
+    )
     # foreach optimizers materialise about one parameter-sized list of intermediates at the step
-    # (e.g. Adam's sqrt(exp_avg_sq)), when activations and gathered parameters are already freed.
+    # (e.g. Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`).
     step_temp = grads if stats.optimizer_bytes else 0
-    temporaries = max(backward_temp, step_temp - activations - comm)
-    tensors = params + grads + optimizer_state + activations + comm + temporaries
-    overheads = int(ALLOCATOR_MARGIN * tensors)
+    step = (params, grads, optimizer_state, 0, 0, step_temp)
+    terms = max(backward, step, key=sum)
+    overheads = int(ALLOCATOR_MARGIN * sum(terms))
     if s.device_type == "cuda":
         overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
         overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
-    return Footprint(params, grads, optimizer_state, activations, comm, temporaries, overheads)
+    return Footprint(*terms, overheads)
+
+
+def _grads_in_backward(stats: ModelStats, s: Setting, grads: int) -> int:
+    """Gradients alive early in backward, next to the activations.
+
+    DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view=True), which
+    exist from construction on: all of them. Without a wrapper, gradients appear block by block
+    as activations are freed: about the largest unit's worth coexists with all activations.
+    Under FSDP2 the unsharded gradients in flight are in comm_buffers (reduce-scatter input).
+    """
+    if s.strategy == Strategy.DDP:
+        return grads
+    if s.strategy.sharded:
+        return 0
+    largest_unit = max(max(stats.block_numel, default=0), stats.root_numel)
+    return min(grads, largest_unit * s.param_element_bytes)
 
 
 def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
@@ -134,18 +164,20 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
 
     FSDP2 all-gathers into a separate unsharded buffer in the compute dtype. SHARD_GRAD_OP keeps
     every unit unsharded from its forward until its backward; FULL_SHARD reshards each block after
-    forward, holding at most the current and the prefetched block, plus the root, which FSDP2
-    never reshards after forward (`fully_shard` docstring). Reduce-scatter needs the unsharded
-    gradient of one unit in flight, and its output overlaps the next one's: two blocks' worth.
+    forward, holding at most the current and the prefetched block (bounded by the two largest),
+    plus the root, which FSDP2 never reshards after forward (`fully_shard` docstring).
+    Reduce-scatter needs the unsharded gradient of one unit in flight, and its output overlaps
+    the next one's: the two largest blocks' worth.
     """
     if s.strategy not in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
         return 0
     element = s.compute_bytes
-    largest_block = max(stats.block_numel, default=0)
-    reduce_scatter = 2 * largest_block * s.param_element_bytes
+    two_largest = sum(sorted(stats.block_numel, reverse=True)[:2])
+    reduce_scatter = two_largest * s.param_element_bytes
     if s.strategy == Strategy.SHARD_GRAD_OP:
         return stats.floating_numel * element + reduce_scatter
-    return (stats.root_numel + 2 * largest_block) * element + reduce_scatter
+    gathered = min(stats.root_numel + two_largest, stats.floating_numel)
+    return gathered * element + reduce_scatter
 
 
 def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:

@@ -46,7 +46,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     is per-parameter-size x states; sharding divides it by the world size.
     """
     name = type(optimizer).__name__
-    rule = _STATES_PER_PARAM.get(name)
+    known = next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _STATES_PER_PARAM), None
+    )
+    rule = _STATES_PER_PARAM[known] if known is not None else None
     total = 0
     for group in optimizer.param_groups:
         states = rule(group) if rule is not None else _ASSUMED_STATES
@@ -56,7 +59,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     if rule is None:
         return total, f"{name}: unknown optimizer, assumed {_ASSUMED_STATES} states per parameter"
     counts = sorted({rule(g) for g in optimizer.param_groups})
-    return total, f"{name}: {'/'.join(map(str, counts))} state(s) per parameter"
+    kind = name if known == name else f"{name} (a {known})"
+    return total, f"{kind}: {'/'.join(map(str, counts))} state(s) per parameter"
 
 
 def unowned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

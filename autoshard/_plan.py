@@ -120,9 +120,12 @@ class Plan:
 
 
 def strategies_for(world_size: int, distributed: bool) -> tuple[Strategy, ...]:
-    if not distributed or world_size == 1:
+    """The wrappings possible here. Without a process group only LOCAL; with one rank the
+    wrappers work but buy nothing, so auto keeps LOCAL while a forced wrapper is still obeyed."""
+    wrappers = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    if not distributed:
         return (Strategy.LOCAL,)
-    return (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    return (Strategy.LOCAL, *wrappers) if world_size == 1 else wrappers
 
 
 def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
@@ -227,12 +230,23 @@ def decide(
     forced_ac: int | None,
 ) -> Plan:
     """Choose the fastest candidate whose estimated peak fits; forced choices are obeyed."""
+    if forced_strategy is not None and forced_strategy not in strategies:
+        raise ValueError(
+            f"strategy {forced_strategy} needs a process group; launch with torchrun or "
+            f"accelerate launch (or use strategy='auto', which trains one process unwrapped)"
+        )
+    if forced_strategy is not None:
+        strategies = (forced_strategy,)
+    elif Strategy.LOCAL in strategies:
+        strategies = (Strategy.LOCAL,)  # one rank: a wrapper only adds work
     shown: list[Candidate] = []
     for strategy in strategies:
         plain = candidate(inputs, strategy, forced_ac if forced_ac is not None else 0)
         shown.append(plain)
         if forced_ac is None and not plain.fits and inputs.num_blocks:
-            shown.append(frugal_candidate(inputs, strategy))
+            frugal = frugal_candidate(inputs, strategy)
+            if frugal != plain:
+                shown.append(frugal)
     reasons = list(inputs.reasons)
     if forced_strategy is not None:
         pool = [c for c in shown if c.strategy == forced_strategy]

@@ -309,7 +309,6 @@ def prepare(
     forced_ac = _forced_ac(request, len(blocks))
     strategies = strategies_for(world.world_size, world.distributed)
     plan = decide(inputs, strategies, request.strategy, forced_ac)
-    _check_strategy_possible(plan, world)
     first = next(
         c
         for c in plan.candidates
@@ -333,14 +332,6 @@ def prepare(
     if world.rank == 0:
         logger.info("\n%s", plan)
     return Prepared(wrapping.model, optimizer, plan, wrapping.scaler)
-
-
-def _check_strategy_possible(plan: Plan, world: World) -> None:
-    if plan.strategy.value != "local" and not world.distributed:
-        raise ValueError(
-            f"strategy {plan.strategy} needs a process group; launch with torchrun or accelerate "
-            f"launch (or use strategy='auto', which trains this single process unwrapped)"
-        )
 
 
 def _blocks_reason(model: nn.Module, names: list[str]) -> str:
@@ -419,4 +410,4 @@ def plan(
         [mp_reason, _blocks_reason(model, names), usable_reason, measured.trace_note],
     )
     forced_ac = _forced_ac(request, len(blocks))
-    return decide(inputs, strategies_for(size, size > 1), request.strategy, forced_ac)
+    return decide(inputs, strategies_for(size, world_size is not None or world.distributed), request.strategy, forced_ac)

@@ -33,9 +33,12 @@ class ActivationProfile:
     """What one step of the example batch saves and computes (per rank, unsharded model).
 
     Attributes:
-        block_saved_bytes: bytes saved for backward inside each block (in block order).
+        block_saved_bytes: bytes saved for backward inside each block (in block order), not
+            counting parameters, buffers and the batch, which are not new memory (autocast's
+            low-precision weight copies are, and count).
         block_input_bytes: bytes of each block's input, which a checkpointed block still keeps.
-        other_saved_bytes: bytes saved outside the blocks (embeddings, head, loss).
+        before_saved_bytes: bytes saved before the first block (embeddings).
+        after_saved_bytes: bytes saved after the last block (head, loss).
         largest_saved_bytes: the largest single saved storage; its gradient is the largest
             temporary of backward.
         block_forward_flops: forward FLOPs of each block.
@@ -45,20 +48,27 @@ class ActivationProfile:
 
     block_saved_bytes: tuple[int, ...]
     block_input_bytes: tuple[int, ...]
-    other_saved_bytes: int
+    before_saved_bytes: int
+    after_saved_bytes: int
     largest_saved_bytes: int
     block_forward_flops: tuple[int, ...]
     total_forward_flops: int
     compute_dtype: torch.dtype
+
+    @property
+    def other_saved_bytes(self) -> int:
+        """Saved outside the blocks: before them (embeddings) and after them (head, loss)."""
+        return self.before_saved_bytes + self.after_saved_bytes
 
     def activation_bytes(self, checkpointed: int) -> int:
         """Peak activation bytes with the first `checkpointed` blocks checkpointed.
 
         A checkpointed block keeps only its input in forward (Chen et al. 2016, "Training Deep
         Nets with Sublinear Memory Cost", section 3). Backward visits blocks in reverse, so when
-        checkpointed block j is recomputed the blocks after it have already freed theirs: then
-        alive are the tensors saved outside blocks, the inputs of blocks 0..j-1 and block j's
-        recomputed saved tensors. The peak is the larger of that and the end of forward.
+        checkpointed block j is recomputed, the head and the blocks after j have already freed
+        theirs: then alive are the tensors saved before the blocks, the inputs of blocks 0..j-1
+        and block j's recomputed saved tensors. The peak is the larger of that and the end of
+        forward.
         """
         saved = self.other_saved_bytes + sum(self.block_saved_bytes)
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
@@ -66,7 +76,7 @@ class ActivationProfile:
             return saved
         dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
         recompute = max(
-            self.other_saved_bytes + sum(self.block_input_bytes[:j]) + self.block_saved_bytes[j]
+            self.before_saved_bytes + sum(self.block_input_bytes[:j]) + self.block_saved_bytes[j]
             for j in range(k)
         )
         return max(saved - dropped, recompute)
@@ -76,24 +86,37 @@ class ActivationProfile:
 
 
 class _Attribution:
-    """Tracks which block is running and which storages each one saved."""
+    """Tracks which block is running and which new storages each one saved for backward."""
 
-    def __init__(self, n_blocks: int) -> None:
+    def __init__(self, n_blocks: int, existing: set[int]) -> None:
         self.current: int | None = None
-        self.owner: dict[int, int | None] = {}
+        self.after_blocks = False
+        self.existing = existing  # parameters, buffers and the batch: saved, but not new memory
+        self.owner: dict[int, int | str] = {}
         self.nbytes: dict[int, int] = {}
         self.inputs = [0] * n_blocks
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in self.owner:
+        if key in self.owner or key in self.existing:
+            return tensor
+        if self.current is not None:
             self.owner[key] = self.current
-            self.nbytes[key] = storage.nbytes()
+        else:
+            self.owner[key] = "after" if self.after_blocks else "before"
+        self.nbytes[key] = storage.nbytes()
         return tensor
 
-    def saved_by(self, block: int | None) -> int:
-        return sum(self.nbytes[k] for k, owner in self.owner.items() if owner == block)
+    def enter(self, index: int) -> None:
+        self.current = index
+
+    def leave(self) -> None:
+        self.current = None
+        self.after_blocks = True
+
+    def saved_by(self, owner: int | str) -> int:
+        return sum(self.nbytes[k] for k, o in self.owner.items() if o == owner)
 
 
 def profile_step(
@@ -113,7 +136,8 @@ def profile_step(
     fake_batch = tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
     )
-    attribution = _Attribution(len(blocks))
+    existing = {t.untyped_storage()._cdata for t in [*state.values(), *_tensors(fake_batch)]}
+    attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     counter = FlopCounterMode(display=False)
     handles = _attribution_hooks(blocks, attribution, counter, block_flops)
@@ -138,7 +162,8 @@ def profile_step(
     return ActivationProfile(
         block_saved_bytes=tuple(attribution.saved_by(i) for i in range(len(blocks))),
         block_input_bytes=tuple(attribution.inputs),
-        other_saved_bytes=attribution.saved_by(None),
+        before_saved_bytes=attribution.saved_by("before"),
+        after_saved_bytes=attribution.saved_by("after"),
         largest_saved_bytes=max(sizes, default=0),
         block_forward_flops=tuple(block_flops),
         total_forward_flops=forward_flops,
@@ -166,7 +191,7 @@ def _attribution_hooks(
     for index, block in enumerate(blocks):
 
         def pre(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
-            attribution.current = index
+            attribution.enter(index)
             attribution.inputs[index] = sum(
                 t.untyped_storage().nbytes()
                 for t in _tensors((args, kwargs))
@@ -175,7 +200,7 @@ def _attribution_hooks(
             block_flops[index] = -counter.get_total_flops()
 
         def post(module: nn.Module, args: Any, kwargs: Any, out: Any, index: int = index) -> None:
-            attribution.current = None
+            attribution.leave()
             block_flops[index] += counter.get_total_flops()
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))

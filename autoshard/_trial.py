@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,14 +172,14 @@ def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
 @contextlib.contextmanager
 def _peak_meter(
     wrapping: Wrapping, optimizer: torch.optim.Optimizer, box: list[int | None]
-) -> Iterator[None]:
+) -> Iterator[Callable[[], None]]:
     """Measure the step's peak: the CUDA allocator's, or on CPU the tensor bytes torch's
     MemTracker sees (it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
     device = wrapping.world.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            yield
+            yield lambda: None
         finally:
             box[0] = torch.cuda.max_memory_allocated(device)
         return
@@ -189,7 +189,8 @@ def _peak_meter(
     tracker.track_external(wrapping.module, optimizer)
     try:
         with tracker:
-            yield
+            # Its per-module stats refuse a second iteration; the global peak is kept.
+            yield tracker.reset_mod_stats
     finally:
         box[0] = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
 
@@ -217,15 +218,22 @@ def attempt(
     usable: int,
     limit: int | None,
 ) -> Outcome:
-    """One trial step under sync points; every rank leaves with the same codes."""
+    """The trial under sync points (two steps for a fresh optimizer); every rank leaves with the
+    same codes."""
     agreement = Agreement(wrapping.world)
     error: Exception | None = None
     box: list[int | None] = [None]
+    # A fresh optimizer creates its state in the first step: only the second one runs forward and
+    # backward next to it, which is the peak every later step reaches.
+    steps = 1 if optimizer.state else 2
     started = time.perf_counter()
     with _sync_points(wrapping, agreement), _memory_cap(wrapping, limit):
-        with _peak_meter(wrapping, optimizer, box):
+        with _peak_meter(wrapping, optimizer, box) as between_steps:
             try:
-                run_step(wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement)
+                for index in range(steps):
+                    if index:
+                        between_steps()
+                    run_step(wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement)
             except PeerFailed:
                 pass
             except Exception as caught:  # classified below, outside the except block

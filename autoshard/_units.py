@@ -17,7 +17,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str, *, what: str = "memory_limit") -> int:
@@ -44,8 +44,11 @@ def parse_bytes(value: int | float | str, *, what: str = "memory_limit") -> int:
         amount = float(match.group(1)) * _UNITS[unit]
     else:
         amount = float(value)
-    if not (amount > 0 and math.isfinite(amount)):
-        raise ValueError(f"{what} must be a positive, finite amount of bytes, got {value!r}")
+    if not (amount >= 1 and math.isfinite(amount)):
+        raise ValueError(
+            f"{what} must be a positive, finite amount of at least one byte, got {value!r}; "
+            f"write e.g. {what}='20GiB'"
+        )
     return int(amount)
 
 

@@ -1,0 +1,185 @@
+"""The `autoshard` command: `autoshard demo` trains a small GPT, `autoshard plan` answers what-ifs.
+
+    autoshard demo [--nproc N] [--steps 40 --strategy full_shard ...]
+    autoshard plan mypkg.models:build --world-size 8 --device-memory 80GiB
+
+This is a program, so unlike the library it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from autoshard import _demo
+from autoshard._demo import _ac_arg, _positive_int, _size_arg
+
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _factory(text: str) -> str:
+    if not _FACTORY_RE.match(text):
+        raise argparse.ArgumentTypeError(
+            f"expected MODULE:FACTORY such as 'mypkg.models:build', got {text!r}"
+        )
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan}")
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small GPT on this machine under autoshard.prepare",
+        description="Train a small GPT-2-style model with autoshard.prepare. Outside torchrun, "
+        "relaunches itself through torchrun with --nproc processes.",
+    )
+    demo.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="processes to launch (default: number of CUDA GPUs, else 2 on CPU)",
+    )
+    _demo.add_options(demo)
+    demo.set_defaults(run=_run_demo, subparser=demo)
+
+    plan = sub.add_parser(
+        "plan",
+        help="print the plan autoshard would choose, without wrapping anything",
+        description="Build a model from MODULE:FACTORY and print autoshard.plan() for it. "
+        "FACTORY() returns a model, or a tuple (model, optimizer, example_batch).",
+    )
+    plan.add_argument("factory", type=_factory, metavar="MODULE:FACTORY")
+    plan.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="ranks to plan for (default: the current world, else 1)",
+    )
+    plan.add_argument(
+        "--device-memory",
+        type=_size_arg,
+        default=None,
+        help="memory of one device, bytes or e.g. '80GiB' (default: measured here)",
+    )
+    plan.add_argument(
+        "--memory-limit",
+        type=_size_arg,
+        default=None,
+        help="cap on usable memory per rank, bytes or e.g. '60GiB'",
+    )
+    plan.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "local", "ddp", "shard_grad_op", "full_shard"],
+    )
+    plan.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
+    plan.add_argument(
+        "--activation-checkpointing",
+        type=_ac_arg,
+        default="auto",
+        help="'auto' or the number of blocks to checkpoint",
+    )
+    plan.set_defaults(run=_run_plan, subparser=plan)
+    return parser
+
+
+def _inside_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    demo_argv = _demo.options_to_argv(args)
+    if _inside_torchrun():
+        if args.nproc is not None and os.environ.get("RANK", "0") == "0":
+            print(
+                "autoshard demo: --nproc ignored: already running under a launcher", file=sys.stderr
+            )
+        return _demo.main(demo_argv)
+    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if args.batch_size % nproc:
+        # checked here so the error comes once, before any process starts
+        parser.error(f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "autoshard._demo",
+        *demo_argv,
+    ]
+    print("autoshard demo: launching", " ".join(cmd[1:]), flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
+def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any, Any]:
+    import torch
+    from torch import nn
+
+    module_name, _, attr = spec.partition(":")
+    # A console script does not put the working directory on sys.path; `python -m` does. Add it
+    # so `autoshard plan mymodel:build` finds ./mymodel.py either way.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        parser.error(f"cannot import module {module_name!r} from {spec!r}: {exc}")
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        parser.error(f"module {module_name!r} has no callable {attr!r}")
+    made = factory()
+    if isinstance(made, nn.Module):
+        return made, torch.optim.AdamW(made.parameters()), None
+    if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
+        return made
+    parser.error(
+        f"{spec}() returned {type(made).__name__}; expected an nn.Module or a tuple "
+        "(model, optimizer, example_batch)"
+    )
+
+
+def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import autoshard
+
+    model, optimizer, batch = _load_factory(parser, args.factory)
+    try:
+        plan = autoshard.plan(
+            model,
+            optimizer,
+            example_batch=batch,
+            world_size=args.world_size,
+            device_memory=args.device_memory,
+            memory_limit=args.memory_limit,
+            strategy=args.strategy,
+            mixed_precision=args.mixed_precision,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+    except ValueError as exc:  # autoshard's user-facing errors: bad sizes, impossible settings
+        parser.error(str(exc))
+    print(plan)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `autoshard` console script and of `python -m autoshard`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # errors found after parsing go through the subcommand's parser, so its usage is shown
+    return int(args.run(args.subparser, args))
