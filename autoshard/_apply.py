@@ -152,8 +152,9 @@ def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | No
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = strategy == Strategy.FULL_SHARD
     reduce = torch.float32 if dtype is not None else None
-    # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so the
-    # loss is computed in full precision as under autocast, without fp32 copies between blocks.
+    # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so a loss
+    # computed outside the model is in full precision as under autocast, without fp32 copies
+    # between blocks. A loss computed inside forward (Hugging Face style) runs in param_dtype.
     inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
     for name in wrapping.block_names:

@@ -204,22 +204,10 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """Add the demo's options to `parser`; `autoshard demo` validates with these before launch."""
-    parser.add_argument("--steps", type=_steps_arg, default=40)
-    parser.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=16,
-        help="global batch, split across ranks (default: 16)",
-    )
-    parser.add_argument("--seq-len", type=_positive_int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument(
-        "--strategy",
-        default="auto",
-        choices=["auto", "local", "ddp", "shard_grad_op", "full_shard"],
-    )
+def add_decision_options(parser: argparse.ArgumentParser) -> None:
+    """Options that steer autoshard's choice; `autoshard demo` and `autoshard plan` share them."""
+    strategies = ["auto", "local", "ddp", "shard_grad_op", "full_shard"]
+    parser.add_argument("--strategy", default="auto", choices=strategies)
     parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
     parser.add_argument(
         "--activation-checkpointing",
@@ -233,6 +221,20 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cap on usable memory per rank: bytes or e.g. '6GiB'",
     )
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to `parser`; `autoshard demo` validates with these before launch."""
+    parser.add_argument("--steps", type=_steps_arg, default=40)
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        help="global batch, split across ranks (default: 16)",
+    )
+    parser.add_argument("--seq-len", type=_positive_int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    add_decision_options(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=_positive_int, default=5)
 
@@ -285,9 +287,7 @@ def _warmup(steps: int) -> Callable[[int], float]:
 
 
 def _train(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
+    prepared: autoshard.Prepared,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     data: MarkovChainData,
     args: argparse.Namespace,
@@ -296,6 +296,8 @@ def _train(
     device: torch.device,
 ) -> tuple[list[float], list[float]]:
     """Run the loop; returns the rank-averaged loss and the step time (s) of every step."""
+    model, optimizer, _ = prepared
+    scaler = prepared.scaler  # a GradScaler only when the plan chose fp16, else None
     losses: list[float] = []
     times: list[float] = []
     for step in range(args.steps):
@@ -360,18 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(prepared.plan, flush=True)
     try:
-        # prepared.scaler is a GradScaler only when the plan chose fp16, else None
-        losses, times = _train(
-            prepared.model,
-            prepared.optimizer,
-            prepared.scaler,
-            scheduler,
-            data,
-            args,
-            rank,
-            world,
-            device,
-        )
+        losses, times = _train(prepared, scheduler, data, args, rank, world, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

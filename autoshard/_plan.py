@@ -230,6 +230,11 @@ def decide(
     forced_ac: int | None,
 ) -> Plan:
     """Choose the fastest candidate whose estimated peak fits; forced choices are obeyed."""
+    if forced_strategy == Strategy.LOCAL and forced_strategy not in strategies:
+        raise ValueError(
+            f"strategy LOCAL trains one process unwrapped, but this job has "
+            f"{inputs.world_size} ranks; choose 'ddp', 'shard_grad_op', 'full_shard' or 'auto'"
+        )
     if forced_strategy is not None and forced_strategy not in strategies:
         raise ValueError(
             f"strategy {forced_strategy} needs a process group; launch with torchrun or "

@@ -4,29 +4,26 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from autoshard._apply import DTYPES, start
-from autoshard._batch import LossFn, batch_bytes
+from autoshard._batch import LossFn
 from autoshard._blocks import find_blocks
-from autoshard._estimate import Setting, model_stats
-from autoshard._optim import optimizer_state_bytes
-from autoshard._plan import (
-    Plan,
-    PlanInputs,
-    after_trial,
-    all_candidates,
-    decide,
-    hardware_for,
-    strategies_for,
+from autoshard._inputs import (
+    blocks_reason,
+    forced_checkpointing,
+    measure,
+    plan_inputs,
+    resolve_mixed_precision,
+    usable_memory,
+    worst,
 )
-from autoshard._trace import ActivationProfile, profile_step
+from autoshard._plan import Plan, after_trial, all_candidates, decide, strategies_for
 from autoshard._trial import prove
-from autoshard._units import human, parse_bytes
+from autoshard._units import parse_bytes
 from autoshard._validate import Request, check_model, check_optimizer, check_request
 from autoshard._world import Memory, RankReport, World, agree, local_memory, resolve
 
@@ -61,65 +58,11 @@ class Prepared(_PreparedFields):
         return self
 
 
-@dataclass(frozen=True)
-class _Measured:
-    """One rank's measurements, exchanged in the agreement collective."""
-
-    profile: ActivationProfile | None
-    trace_note: str
-
-
-def resolve_mixed_precision(
-    requested: str, device: torch.device, model: nn.Module
-) -> tuple[str, str]:
-    """The mixed precision to use and why (every automatic choice carries its reason)."""
-    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if floating and floating <= {torch.bfloat16, torch.float16}:
-        return "no", f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
-    if requested != "auto":
-        return requested, f"mixed precision {requested} requested by the caller"
-    if device.type != "cuda":
-        return "bf16", "mixed precision bf16 (auto): CPU autocast supports bf16"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return "bf16", f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
-    return "fp16", (
-        f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
-        f"gradient scaler (prepared.scaler)"
-    )
-
-
 def _fingerprint(model: nn.Module, request: Request) -> tuple[Any, ...]:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
     return (("model", digest.hexdigest()[:16]), ("request", request), ("torch", torch.__version__))
-
-
-def _measure(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    batch: Any,
-    loss_fn: LossFn | None,
-    dtype: torch.dtype | None,
-) -> _Measured:
-    if batch is None:
-        return _Measured(
-            None, "no example_batch: activations are not estimated and no trial step can run"
-        )
-    try:
-        profile = profile_step(model, blocks, batch, loss_fn, dtype)
-    except Exception as error:  # data-dependent control flow and the like cannot be traced
-        return _Measured(
-            None,
-            f"the example batch could not be traced ({type(error).__name__}: {error}); "
-            f"activations not estimated",
-        )
-    return _Measured(
-        profile,
-        f"activations traced from the example batch "
-        f"({human(profile.activation_bytes(0))} saved for backward)",
-    )
 
 
 def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception | None) -> None:
@@ -138,81 +81,6 @@ def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception |
             f"ranks disagree with rank 0 on {', '.join(fields)} (ranks {differing}): every rank "
             f"must build the same model and call prepare() with the same arguments"
         )
-
-
-def _usable(reports: list[RankReport], limit: int | None) -> tuple[int, str]:
-    low = min(reports, key=lambda r: r.memory.free_bytes)
-    text = (
-        f"free memory per rank {human(low.memory.free_bytes)} (minimum over {len(reports)} "
-        f"rank(s), rank {low.rank}: {low.memory.source})"
-    )
-    if limit is not None and limit < low.memory.free_bytes:
-        return limit, f"{text}, capped by memory_limit at {human(limit)}"
-    return low.memory.free_bytes, text
-
-
-def _inputs(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    blocks: list[nn.Module],
-    batch: Any,
-    profile: ActivationProfile | None,
-    world_size: int,
-    num_nodes: int,
-    usable: int,
-    device: torch.device,
-    mixed_precision: str,
-    reasons: list[str],
-) -> PlanInputs:
-    opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
-    stats = model_stats(
-        model, blocks, opt_bytes, opt_reason, batch_bytes(batch) if batch is not None else 0
-    )
-    element = max(
-        (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4
-    )
-    dtype = DTYPES[mixed_precision]
-    setting = Setting(
-        strategy=strategies_for(world_size, True)[0],
-        checkpointed=0,
-        world_size=world_size,
-        compute_bytes=torch.empty((), dtype=dtype).element_size() if dtype else element,
-        param_element_bytes=element,
-        device_type=device.type,
-        cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
-    )
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return PlanInputs(
-        stats=stats,
-        profile=profile,
-        world_size=world_size,
-        num_nodes=num_nodes,
-        usable_bytes=usable,
-        setting=setting,
-        hardware=hardware_for(device.type, capability, dtype is not None),
-        num_blocks=len(blocks),
-        mixed_precision=mixed_precision,
-        reasons=(*reasons, f"optimizer state: {opt_reason}"),
-    )
-
-
-def _worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
-    """Every rank decides from the same data: the largest activation profile any rank traced."""
-    known = [p for p in profiles if p is not None]
-    return max(known, key=lambda p: p.activation_bytes(0)) if known else None
-
-
-def _forced_ac(request: Request, num_blocks: int) -> int | None:
-    ac = request.activation_checkpointing
-    if ac is None:
-        return None
-    if ac == -1:
-        return num_blocks
-    if ac > num_blocks:
-        raise ValueError(
-            f"activation_checkpointing={ac} but the model has only {num_blocks} repeated block(s)"
-        )
-    return ac
 
 
 def _validate(model: Any, optimizer: Any, loss_fn: Any, options: dict[str, Any]) -> Request:
@@ -280,8 +148,8 @@ def prepare(
         names = [name for name, _ in find_blocks(model)]
         blocks = [model.get_submodule(n) for n in names]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
-        reasons += [mp_reason, _blocks_reason(model, names)]
-        measured = _measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+        reasons += [mp_reason, blocks_reason(model, names)]
+        measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
     reports = agree(
         world,
         memory,
@@ -291,14 +159,14 @@ def prepare(
     )
     _raise_rank_errors(reports, world, own_error)
     assert measured is not None  # every rank without an error measured
-    usable, usable_reason = _usable(reports, request.memory_limit)
+    usable, usable_reason = usable_memory(reports, request.memory_limit)
     num_nodes = len({r.host for r in reports})
-    inputs = _inputs(
+    inputs = plan_inputs(
         model,
         optimizer,
         blocks,
         example_batch,
-        _worst([r.measured.profile for r in reports]),
+        worst([r.measured.profile for r in reports]),
         world.world_size,
         num_nodes,
         usable,
@@ -306,7 +174,7 @@ def prepare(
         mp,
         [*reasons, usable_reason, measured.trace_note],
     )
-    forced_ac = _forced_ac(request, len(blocks))
+    forced_ac = forced_checkpointing(request, len(blocks))
     strategies = strategies_for(world.world_size, world.distributed)
     plan = decide(inputs, strategies, request.strategy, forced_ac)
     first = next(
@@ -332,17 +200,6 @@ def prepare(
     if world.rank == 0:
         logger.info("\n%s", plan)
     return Prepared(wrapping.model, optimizer, plan, wrapping.scaler)
-
-
-def _blocks_reason(model: nn.Module, names: list[str]) -> str:
-    if not names:
-        return "no repeated blocks found: the model is one FSDP unit, not checkpointed per block"
-    source = (
-        "_no_split_modules"
-        if getattr(model, "_no_split_modules", None)
-        else "the largest list of same-class children"
-    )
-    return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
 
 
 def plan(
@@ -393,10 +250,10 @@ def plan(
     names = [name for name, _ in find_blocks(model)]
     blocks = [model.get_submodule(n) for n in names]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
-    measured = _measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+    measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
     report = RankReport(0, "planner", memory, (), None, measured)
-    usable, usable_reason = _usable([report], request.memory_limit)
-    inputs = _inputs(
+    usable, usable_reason = usable_memory([report], request.memory_limit)
+    inputs = plan_inputs(
         model,
         optimizer,
         blocks,
@@ -407,7 +264,12 @@ def plan(
         usable,
         world.device,
         mp,
-        [mp_reason, _blocks_reason(model, names), usable_reason, measured.trace_note],
+        [mp_reason, blocks_reason(model, names), usable_reason, measured.trace_note],
     )
-    forced_ac = _forced_ac(request, len(blocks))
-    return decide(inputs, strategies_for(size, world_size is not None or world.distributed), request.strategy, forced_ac)
+    forced_ac = forced_checkpointing(request, len(blocks))
+    return decide(
+        inputs,
+        strategies_for(size, world_size is not None or world.distributed),
+        request.strategy,
+        forced_ac,
+    )

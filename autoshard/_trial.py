@@ -282,21 +282,35 @@ def next_rung(
     usable: int,
     peak: int | None,
 ) -> Candidate | None:
-    """The fastest reachable rung that fits once every estimate is scaled by how far the failed
-    rung's estimate fell short; failing that, the most frugal one left."""
+    """The next rung after `failed` ran out of memory, the same on every rank.
+
+    Reachable rungs are further up the ladder by construction (at least as sharded, at least as
+    many blocks checkpointed, not tried yet), whatever their estimates say: the estimate just
+    proved wrong. Every estimate is scaled by how far the failed one fell short (its measured
+    peak on CPU; at least the usable memory it exceeded), and the fastest rung that then fits
+    with room to spare is next; if none does, the most frugal rung left.
+    """
     shortfall = max(1.0, max(peak or 0, usable) / max(failed.estimated_peak_bytes, 1))
+    level = _ESCALATION[failed.strategy.value]
     reachable = [
         c
         for c in options
-        if _ESCALATION[c.strategy.value] >= _ESCALATION[failed.strategy.value]
+        if _ESCALATION[c.strategy.value] >= level
         and c.activation_checkpointing >= failed.activation_checkpointing
         and (c.strategy.value, c.activation_checkpointing) not in tried
-        and c.estimated_peak_bytes < failed.estimated_peak_bytes
     ]
-    fitting = [c for c in reachable if c.estimated_peak_bytes * shortfall <= usable]
+    fitting = [c for c in reachable if c.estimated_peak_bytes * shortfall < usable]
     if fitting:
         return min(fitting, key=lambda c: c.step_seconds)
-    return min(reachable, key=lambda c: c.estimated_peak_bytes, default=None)
+    return min(
+        reachable,
+        key=lambda c: (
+            c.estimated_peak_bytes,
+            -_ESCALATION[c.strategy.value],
+            -c.activation_checkpointing,
+        ),
+        default=None,
+    )
 
 
 @dataclass(frozen=True)

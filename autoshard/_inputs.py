@@ -1,0 +1,160 @@
+"""What a decision is made from: the mixed precision, the traced activations, the usable memory,
+gathered into the `PlanInputs` that `_plan.decide` takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard._apply import DTYPES
+from autoshard._batch import LossFn, batch_bytes
+from autoshard._estimate import Setting, model_stats
+from autoshard._optim import optimizer_state_bytes
+from autoshard._plan import PlanInputs, hardware_for, strategies_for
+from autoshard._trace import ActivationProfile, profile_step
+from autoshard._units import human
+from autoshard._validate import Request
+from autoshard._world import RankReport
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rank's measurements, exchanged in the agreement collective."""
+
+    profile: ActivationProfile | None
+    trace_note: str
+
+
+def resolve_mixed_precision(
+    requested: str, device: torch.device, model: nn.Module
+) -> tuple[str, str]:
+    """The mixed precision to use and why (every automatic choice carries its reason)."""
+    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if floating and floating <= {torch.bfloat16, torch.float16}:
+        return "no", f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
+    if requested != "auto":
+        return requested, f"mixed precision {requested} requested by the caller"
+    if device.type != "cuda":
+        return "bf16", "mixed precision bf16 (auto): CPU autocast supports bf16"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return "bf16", f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
+    return "fp16", (
+        f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
+        f"gradient scaler (prepared.scaler)"
+    )
+
+
+def measure(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+) -> Measured:
+    if batch is None:
+        return Measured(
+            None, "no example_batch: activations are not estimated and no trial step can run"
+        )
+    try:
+        profile = profile_step(model, blocks, batch, loss_fn, dtype)
+    except Exception as error:  # data-dependent control flow and the like cannot be traced
+        return Measured(
+            None,
+            f"the example batch could not be traced ({type(error).__name__}: {error}); "
+            f"activations not estimated",
+        )
+    return Measured(
+        profile,
+        f"activations traced from the example batch "
+        f"({human(profile.activation_bytes(0))} saved for backward)",
+    )
+
+
+def usable_memory(reports: list[RankReport], limit: int | None) -> tuple[int, str]:
+    low = min(reports, key=lambda r: r.memory.free_bytes)
+    text = (
+        f"free memory per rank {human(low.memory.free_bytes)} (minimum over {len(reports)} "
+        f"rank(s), rank {low.rank}: {low.memory.source})"
+    )
+    if limit is not None and limit < low.memory.free_bytes:
+        return limit, f"{text}, capped by memory_limit at {human(limit)}"
+    return low.memory.free_bytes, text
+
+
+def plan_inputs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    blocks: list[nn.Module],
+    batch: Any,
+    profile: ActivationProfile | None,
+    world_size: int,
+    num_nodes: int,
+    usable: int,
+    device: torch.device,
+    mixed_precision: str,
+    reasons: list[str],
+) -> PlanInputs:
+    opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
+    stats = model_stats(
+        model, blocks, opt_bytes, opt_reason, batch_bytes(batch) if batch is not None else 0
+    )
+    element = max(
+        (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4
+    )
+    dtype = DTYPES[mixed_precision]
+    setting = Setting(
+        strategy=strategies_for(world_size, True)[0],
+        checkpointed=0,
+        world_size=world_size,
+        compute_bytes=torch.empty((), dtype=dtype).element_size() if dtype else element,
+        param_element_bytes=element,
+        device_type=device.type,
+        cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
+    )
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return PlanInputs(
+        stats=stats,
+        profile=profile,
+        world_size=world_size,
+        num_nodes=num_nodes,
+        usable_bytes=usable,
+        setting=setting,
+        hardware=hardware_for(device.type, capability, dtype is not None),
+        num_blocks=len(blocks),
+        mixed_precision=mixed_precision,
+        reasons=(*reasons, f"optimizer state: {opt_reason}"),
+    )
+
+
+def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
+    """Every rank decides from the same data: the largest activation profile any rank traced."""
+    known = [p for p in profiles if p is not None]
+    return max(known, key=lambda p: p.activation_bytes(0)) if known else None
+
+
+def forced_checkpointing(request: Request, num_blocks: int) -> int | None:
+    ac = request.activation_checkpointing
+    if ac is None:
+        return None
+    if ac == -1:
+        return num_blocks
+    if ac > num_blocks:
+        raise ValueError(
+            f"activation_checkpointing={ac} but the model has only {num_blocks} repeated block(s)"
+        )
+    return ac
+
+
+def blocks_reason(model: nn.Module, names: list[str]) -> str:
+    if not names:
+        return "no repeated blocks found: the model is one FSDP unit, not checkpointed per block"
+    source = (
+        "_no_split_modules"
+        if getattr(model, "_no_split_modules", None)
+        else "the largest list of same-class children"
+    )
+    return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
