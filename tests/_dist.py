@@ -1,0 +1,156 @@
+"""Harness of the multi-process tier: launch a worker under real torchrun (2 gloo ranks on CPU),
+with a hard timeout, and hand its per-rank, per-case results to the tests.
+
+A worker (tests/workers/*.py, see tests/workers/_common.py) runs many sub-cases in one launch and
+writes `rank<r>.json` ({case: {"ok", "data" | "error", "traceback"}}) and `rank<r>.log` (its
+stdout and stderr) into the output directory. A module-scoped fixture launches each worker once;
+each test function reads one case with `Launch.case`, which fails with both ranks' log tails
+when the case is missing or raised on any rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+NPROC = 2
+# A launch takes about 5-15 s on 2 cores; the limit only exists so that a hang (a rank stuck in
+# a collective its peer never entered) fails the tests instead of blocking CI.
+TIMEOUT_S = 150
+TAIL_CHARS = 4000
+
+
+@dataclass
+class Launch:
+    """One torchrun launch of one worker: what it printed and what each rank recorded."""
+
+    worker: str
+    out_dir: Path
+    returncode: int | None
+    timed_out: bool
+    timeout: float
+    seconds: float
+    torchrun_output: str
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+    def case(self, name: str) -> list[Any]:
+        """Every rank's data for case `name`; fails the calling test if any rank lacks it."""
+        problems = []
+        for r, results in enumerate(self.ranks):
+            entry = results.get(name)
+            if entry is None:
+                problems.append(f"rank {r}: case {name!r} never finished")
+            elif not entry["ok"]:
+                problems.append(f"rank {r}: case {name!r} raised {entry['error']}")
+        if problems:
+            pytest.fail(self.report("; ".join(problems), name), pytrace=False)
+        return [results[name]["data"] for results in self.ranks]
+
+    def report(self, problem: str, name: str | None = None) -> str:
+        status = (
+            f"timed out after {self.timeout:g}s and was killed"
+            if self.timed_out
+            else f"exited with {self.returncode} after {self.seconds:.1f}s"
+        )
+        parts = [f"{problem}\nworker {self.worker}.py under torchrun {status}"]
+        for r, results in enumerate(self.ranks):
+            entry = results.get(name) if name else None
+            if entry is not None and not entry["ok"]:
+                parts.append(f"--- rank {r} traceback ---\n{entry['traceback']}")
+        for r in range(NPROC):
+            log = self.out_dir / f"rank{r}.log"
+            text = log.read_text(errors="replace") if log.exists() else "(no log written)"
+            parts.append(f"--- rank {r} stdout+stderr (tail) ---\n{text[-TAIL_CHARS:]}")
+        parts.append(f"--- torchrun (tail) ---\n{self.torchrun_output[-TAIL_CHARS:]}")
+        return "\n".join(parts)
+
+
+def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -> Launch:
+    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun and collect results."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROC),
+        str(WORKERS / f"{worker}.py"),
+        str(out_dir),
+        *args,
+    ]
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine: no oversubscription
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",  # this tier is CPU/gloo even on a GPU machine
+    )
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_tree(proc)
+        output, _ = proc.communicate()
+    ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(NPROC)]
+    return Launch(
+        worker=worker,
+        out_dir=out_dir,
+        returncode=proc.returncode,
+        timed_out=timed_out,
+        timeout=timeout,
+        seconds=time.perf_counter() - started,
+        torchrun_output=output or "",
+        ranks=ranks,
+    )
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    """Kill torchrun and its workers. torchrun starts each worker in a session of its own, so
+    killing torchrun's process group alone would leave the ranks running: find them first."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for pid in [proc.pid, *(c.pid for c in children)]:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # each is the leader of its own group
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:  # killed mid-write: the runner writes atomically, but be safe
+        return {}

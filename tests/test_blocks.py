@@ -1,0 +1,201 @@
+"""Which submodules are the repeated blocks (`find_blocks`): the FSDP units and the AC units."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autoshard._blocks import find_blocks
+
+
+class Layer(nn.Module):
+    """A transformer-like layer; with `nested`, it holds another Layer (HF's nested classes)."""
+
+    def __init__(self, width: int = 8, nested: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.inner = Layer(width) if nested else None
+
+
+class Other(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+
+def names(model: nn.Module) -> list[str]:
+    return [name for name, _ in find_blocks(model)]
+
+
+def test_no_split_modules_names_the_block_class() -> None:
+    class HFModel(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.decoder = nn.Module()
+            self.decoder.layers = nn.ModuleList([Layer() for _ in range(3)])
+            self.head = nn.Linear(8, 10)
+
+    model = HFModel()
+    blocks = find_blocks(model)
+    assert [name for name, _ in blocks] == [
+        "decoder.layers.0",
+        "decoder.layers.1",
+        "decoder.layers.2",
+    ]
+    # The very module objects, in forward order.
+    assert all(module is model.decoder.layers[i] for i, (_, module) in enumerate(blocks))
+
+
+def test_no_split_modules_nested_matches_keep_only_the_outermost() -> None:
+    class HFModel(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(nested=True) for _ in range(2)])
+            self.last = Layer(nested=True)  # outside the list, still a block
+
+    model = HFModel()
+    # layers.0.inner and last.inner are Layers too, but inside an outer Layer.
+    assert names(model) == ["layers.0", "layers.1", "last"]
+
+
+def test_no_split_modules_with_several_classes() -> None:
+    class HFModel(nn.Module):
+        _no_split_modules = ["Layer", "Other"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.ModuleList([Other() for _ in range(2)])
+            self.decoder = nn.ModuleList([Layer() for _ in range(2)])
+
+    assert names(HFModel()) == ["encoder.0", "encoder.1", "decoder.0", "decoder.1"]
+
+
+def test_no_split_modules_wins_over_a_larger_uniform_list() -> None:
+    class HFModel(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(4) for _ in range(2)])
+            self.big = nn.ModuleList([Other(64) for _ in range(5)])  # more parameters
+
+    assert names(HFModel()) == ["layers.0", "layers.1"]
+
+
+def test_no_split_modules_that_match_nothing_fall_back_to_repeated_children() -> None:
+    class HFModel(nn.Module):
+        _no_split_modules = ["LlamaDecoderLayer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(3)])
+
+    assert names(HFModel()) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_module_list_of_same_class_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([Layer() for _ in range(4)])
+            self.head = nn.Linear(8, 2)
+
+    model = Model()
+    blocks = find_blocks(model)
+    assert [name for name, _ in blocks] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert [module for _, module in blocks] == list(model.blocks)
+
+
+def test_sequential_of_same_class_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 8)
+            self.trunk = nn.Sequential(*[Layer() for _ in range(3)])
+
+    assert names(Model()) == ["trunk.0", "trunk.1", "trunk.2"]
+
+
+def test_of_two_candidate_lists_the_larger_by_parameter_count_wins() -> None:
+    # `many` has more children, `wide` more parameters: parameters decide, whatever the order.
+    many_numel = 6 * (4 * 4 + 4)
+    wide_numel = 2 * (32 * 32 + 32)
+    assert wide_numel > many_numel
+
+    class ManyFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.many = nn.ModuleList([Layer(4) for _ in range(6)])
+            self.wide = nn.ModuleList([Other(32) for _ in range(2)])
+
+    class WideFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wide = nn.ModuleList([Other(32) for _ in range(2)])
+            self.many = nn.ModuleList([Layer(4) for _ in range(6)])
+
+    assert names(ManyFirst()) == ["wide.0", "wide.1"]
+    assert names(WideFirst()) == ["wide.0", "wide.1"]
+
+
+def test_outer_list_wins_over_uniform_containers_inside_its_blocks() -> None:
+    # Each block is itself a Sequential of two Linears (uniform), but the outer list is larger.
+    model = nn.Module()
+    model.blocks = nn.ModuleList(
+        [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)) for _ in range(3)]
+    )
+    assert names(model) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_module_list_with_mixed_classes_is_not_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Other(), Layer(), Other()])
+
+    assert names(Model()) == []
+
+
+def test_mixed_list_is_skipped_in_favour_of_a_uniform_one() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixed = nn.ModuleList([Other(64), Layer(64)])  # larger, but mixed
+            self.layers = nn.ModuleList([Layer(8) for _ in range(2)])
+
+    assert names(Model()) == ["layers.0", "layers.1"]
+
+
+def test_a_uniform_list_without_parameters_is_not_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.acts = nn.ModuleList([nn.ReLU() for _ in range(4)])
+
+    assert names(Model()) == []
+
+
+def test_a_single_child_list_is_not_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer()])
+
+    assert names(Model()) == []
+
+
+def test_model_without_repeated_blocks() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(4, 16)
+            self.act = nn.GELU()
+            self.fc2 = nn.Linear(16, 2)
+
+    assert find_blocks(Model()) == []

@@ -1,0 +1,636 @@
+"""The decision (`decide`, `candidate`, `strategies_for`, `step_seconds`), its rendering, and the
+what-if `autoshard.plan(...)`. Decision inputs are built by hand: no trace, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import DoesNotFit, Strategy
+from autoshard._estimate import ModelStats, Setting
+from autoshard._plan import (
+    Attempt,
+    Candidate,
+    Hardware,
+    Plan,
+    PlanInputs,
+    candidate,
+    decide,
+    hardware_for,
+    step_seconds,
+    strategies_for,
+)
+from autoshard._trace import ActivationProfile
+from autoshard._units import human
+
+MiB = 2**20
+GiB = 2**30
+M = 2**20  # a million-ish elements
+BLOCKS = 8
+AMPLE = 2**50
+SHARDED = (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+ALL = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+
+# A 144M-parameter fp32 model: 8 blocks of 16M elements and a 16M-element root, trained by Adam.
+STATS = ModelStats(
+    param_bytes=144 * M * 4,
+    trainable_bytes=144 * M * 4,
+    floating_numel=144 * M,
+    block_numel=(16 * M,) * BLOCKS,
+    optimizer_bytes=2 * 144 * M * 4,
+    optimizer_reason="Adam: 2 state(s) per parameter",
+    input_bytes=MiB,
+)
+
+
+def profile(saved: int, kept: int, other: int, block_flops: int) -> ActivationProfile:
+    return ActivationProfile(
+        block_saved_bytes=(saved,) * BLOCKS,
+        block_input_bytes=(kept,) * BLOCKS,
+        before_saved_bytes=0,  # embeddings save nothing new here
+        after_saved_bytes=other,  # the head's and the loss's
+        largest_saved_bytes=saved // 4,
+        block_forward_flops=(block_flops,) * BLOCKS,
+        total_forward_flops=BLOCKS * block_flops + block_flops // 10,
+        compute_dtype=torch.bfloat16,
+    )
+
+
+# Activations dominate (a long sequence): checkpointing decides whether it fits.
+BIG_ACTIVATIONS = profile(256 * MiB, 16 * MiB, 64 * MiB, 10**12)
+# Activations are small: model states decide.
+SMALL_ACTIVATIONS = profile(8 * MiB, MiB, 2 * MiB, 10**12)
+CPU = hardware_for("cpu", None, False)
+
+
+def make_inputs(
+    world_size: int,
+    usable: int,
+    prof: ActivationProfile | None = BIG_ACTIVATIONS,
+    *,
+    compute_bytes: int = 2,
+    hardware: Hardware = CPU,
+    num_nodes: int = 1,
+    mixed_precision: str = "bf16",
+) -> PlanInputs:
+    template = Setting(
+        strategy=Strategy.LOCAL,
+        checkpointed=0,
+        world_size=world_size,
+        compute_bytes=compute_bytes,
+        param_element_bytes=4,
+        device_type="cpu",
+        cuda_context_pending=False,
+    )
+    return PlanInputs(
+        stats=STATS,
+        profile=prof,
+        world_size=world_size,
+        num_nodes=num_nodes,
+        usable_bytes=usable,
+        setting=template,
+        hardware=hardware,
+        num_blocks=BLOCKS,
+        mixed_precision=mixed_precision,
+        reasons=("a reason given beforehand",),
+    )
+
+
+def peak(inputs: PlanInputs, strategy: Strategy, k: int = 0) -> int:
+    return candidate(inputs, strategy, k).estimated_peak_bytes
+
+
+def min_peak(inputs: PlanInputs, strategy: Strategy) -> int:
+    return min(peak(inputs, strategy, k) for k in range(BLOCKS + 1))
+
+
+def chosen_of(plan: Plan) -> Candidate:
+    return next(
+        c
+        for c in plan.candidates
+        if c.strategy == plan.strategy
+        and c.activation_checkpointing == plan.activation_checkpointing
+    )
+
+
+# --- strategies_for ------------------------------------------------------------------------------
+
+
+def test_strategies_for() -> None:
+    assert strategies_for(1, False) == (Strategy.LOCAL,)
+    # A process group of one rank: the wrappers work (a forced one is obeyed), LOCAL too.
+    assert strategies_for(1, True) == (Strategy.LOCAL, *ALL)
+    assert strategies_for(8, False) == (Strategy.LOCAL,)  # not distributed: nothing to shard over
+    assert strategies_for(2, True) == ALL
+    assert strategies_for(8, True) == ALL
+
+
+# --- decide --------------------------------------------------------------------------------------
+
+
+def test_ample_memory_chooses_ddp_at_world_size_above_one() -> None:
+    inputs = make_inputs(8, AMPLE)
+    plan = decide(inputs, strategies_for(8, True), None, None)
+    assert plan.strategy == Strategy.DDP
+    assert plan.activation_checkpointing == 0
+    assert plan.estimated_peak_bytes == peak(inputs, Strategy.DDP)
+    assert plan.device_memory_bytes == AMPLE
+    assert (plan.world_size, plan.num_blocks, plan.mixed_precision) == (8, BLOCKS, "bf16")
+    assert plan.cpu_offload is False and plan.measured_peak_bytes is None
+    # Everything fits, so no checkpointed alternative is listed: one row per strategy.
+    assert [(c.strategy, c.activation_checkpointing) for c in plan.candidates] == [
+        (s, 0) for s in ALL
+    ]
+    assert all(c.fits for c in plan.candidates)
+    assert plan.reasons[0] == "a reason given beforehand"
+    assert plan.reasons[-1].startswith("chose DDP")
+
+
+@pytest.mark.parametrize(("world_size", "distributed"), [(1, True), (1, False), (8, False)])
+def test_ample_memory_chooses_local_without_ranks_to_shard_over(
+    world_size: int, distributed: bool
+) -> None:
+    inputs = make_inputs(world_size, AMPLE)
+    plan = decide(inputs, strategies_for(world_size, distributed), None, None)
+    assert plan.strategy == Strategy.LOCAL
+    assert plan.activation_checkpointing == 0
+    assert [c.strategy for c in plan.candidates] == [Strategy.LOCAL]
+
+
+def test_between_full_shard_and_ddp_an_fsdp_strategy_is_chosen() -> None:
+    probe = make_inputs(8, AMPLE, SMALL_ACTIVATIONS)
+    low, high = peak(probe, Strategy.FULL_SHARD), min_peak(probe, Strategy.DDP)
+    assert low < high  # the window exists for this model
+    for usable in (low, (low + high) // 2, high - 1):
+        plan = decide(make_inputs(8, usable, SMALL_ACTIVATIONS), ALL, None, None)
+        assert plan.strategy in SHARDED, usable
+        assert plan.estimated_peak_bytes <= usable
+        assert not any(c.fits for c in plan.candidates if c.strategy == Strategy.DDP)
+        assert "DDP" in plan.reasons[-1] and "do not fit" in plan.reasons[-1]
+
+
+def test_shard_grad_op_when_it_fits_full_shard_when_only_it_fits() -> None:
+    probe = make_inputs(8, AMPLE, SMALL_ACTIVATIONS)
+    zero3 = peak(probe, Strategy.FULL_SHARD)
+    zero2 = peak(probe, Strategy.SHARD_GRAD_OP)
+    zero2_min = min_peak(probe, Strategy.SHARD_GRAD_OP)
+    ddp_min = min_peak(probe, Strategy.DDP)
+    assert zero3 < zero2_min and zero2 < ddp_min
+    # ZeRO-2 fits (DDP does not): it is faster than ZeRO-3, so it is chosen.
+    plan = decide(make_inputs(8, zero2, SMALL_ACTIVATIONS), ALL, None, None)
+    assert (plan.strategy, plan.activation_checkpointing) == (Strategy.SHARD_GRAD_OP, 0)
+    # Only ZeRO-3 fits.
+    plan = decide(make_inputs(8, zero2_min - 1, SMALL_ACTIVATIONS), ALL, None, None)
+    assert plan.strategy == Strategy.FULL_SHARD
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_checkpoints_the_fewest_blocks_that_fit(world_size: int) -> None:
+    strategies = strategies_for(world_size, True)
+    probe = make_inputs(world_size, AMPLE)
+    # Usable memory a little below the most frugal strategy's plain peak: no plain candidate fits.
+    for target in (1, 3, 5):
+        best = min(strategies, key=lambda s: peak(probe, s, target))
+        usable = peak(probe, best, target)
+        inputs = make_inputs(world_size, usable)
+        plan = decide(inputs, strategies, None, None)
+        chosen = chosen_of(plan)
+        assert chosen.fits and chosen.activation_checkpointing >= 1
+        assert not any(c.fits for c in plan.candidates if c.activation_checkpointing == 0)
+        # k - 1 blocks checkpointed would not fit ...
+        assert not candidate(inputs, chosen.strategy, chosen.activation_checkpointing - 1).fits
+        # ... and no fitting candidate of any strategy and any k is faster.
+        fitting = [candidate(inputs, s, k) for s in strategies for k in range(BLOCKS + 1)]
+        fastest = min(c.step_seconds for c in fitting if c.fits)
+        assert chosen.step_seconds == fastest
+        assert f"with {chosen.activation_checkpointing} block(s) checkpointed" in plan.reasons[-1]
+
+
+def test_local_checkpoints_exactly_as_many_blocks_as_the_memory_needs() -> None:
+    probe = make_inputs(1, AMPLE)
+    peaks = [peak(probe, Strategy.LOCAL, k) for k in range(BLOCKS + 1)]
+    # By hand, in MiB (STATS: 144M fp32 params, Adam; BIG_ACTIVATIONS: each block saves 256 and
+    # keeps 16, nothing before the blocks, 64 after them, largest saved tensor 64):
+    params, grads, adam = 576, 576, 1152
+    largest_unit_grads = 16 * 4  # LOCAL backward: a 16M-element unit's fp32 grads
+    batch, backward_temp = 1, 2 * 64
+
+    def activations(k: int) -> int:
+        forward_end = 64 + BLOCKS * 256 - k * (256 - 16)  # checkpointed blocks keep 16 each
+        recompute = 0 + 16 * (k - 1) + 256 if k else 0  # worst j = k - 1: inputs + its 256
+        return max(forward_end, recompute)
+
+    step = params + grads + adam + grads  # all grads + Adam's foreach intermediates = 2880
+    for k in range(BLOCKS + 1):
+        backward = params + largest_unit_grads + adam + batch + activations(k) + backward_temp
+        tensors = max(backward, step) * MiB
+        assert peaks[k] == tensors + int(0.05 * tensors), k
+    # backward = 1921 + activations(k): 4033, 3793, 3553, 3313, 3073 for k = 0..4, then 2833 at
+    # k = 5, below the step's 2880: from there on the optimizer step is the peak.
+    assert 1921 + activations(4) > step > 1921 + activations(5)
+    flat_from = 5
+    # Non-increasing overall, strictly falling while backward dominates, then flat.
+    assert all(a >= b for a, b in zip(peaks, peaks[1:], strict=False))
+    assert all(a > b for a, b in zip(peaks[:flat_from], peaks[1 : flat_from + 1], strict=True))
+    assert len(set(peaks[flat_from:])) == 1
+    for k in range(1, BLOCKS + 1):
+        plan = decide(make_inputs(1, peaks[k]), (Strategy.LOCAL,), None, None)
+        # The fewest blocks that fit: k itself, or the first k of the flat stretch.
+        assert (plan.strategy, plan.activation_checkpointing) == (
+            Strategy.LOCAL,
+            min(k, flat_from),
+        )
+        assert plan.estimated_peak_bytes == peaks[k]
+
+
+REGIMES = {
+    # CPU throughput, long forward: compute hides the traffic.
+    "cpu-compute-bound": (hardware_for("cpu", None, False), 10**12, 2, 1),
+    # Tiny forward: traffic dominates; fp32 compute dtype (no mixed precision).
+    "cpu-comm-bound-fp32": (hardware_for("cpu", None, False), 10**3, 4, 1),
+    # Tiny forward, bf16 compute dtype: ZeRO gathers bf16 parameters.
+    "cpu-comm-bound-bf16": (hardware_for("cpu", None, True), 10**3, 2, 1),
+    # H100-class figures, two nodes, a small batch.
+    "cuda-two-nodes-bf16": (hardware_for("cuda", (9, 0), True), 10**9, 2, 2),
+}
+
+
+@pytest.mark.parametrize("regime", ["cpu-compute-bound", "cpu-comm-bound-fp32"])
+def test_step_time_orders_ddp_then_zero2_then_zero3(regime: str) -> None:
+    # Compute-bound, or communication-bound without mixed precision (ZeRO gathers fp32 params:
+    # 4 + 4 bytes per parameter on the wire for ZeRO-2, against DDP's 2 x 4).
+    hardware, block_flops, compute_bytes, nodes = REGIMES[regime]
+    prof = profile(256 * MiB, 16 * MiB, 64 * MiB, block_flops)
+    inputs = make_inputs(
+        8, AMPLE, prof, compute_bytes=compute_bytes, hardware=hardware, num_nodes=nodes
+    )
+    for k in (0, 4, BLOCKS):
+        ddp = step_seconds(inputs, Strategy.DDP, k)
+        zero2 = step_seconds(inputs, Strategy.SHARD_GRAD_OP, k)
+        zero3 = step_seconds(inputs, Strategy.FULL_SHARD, k)
+        assert ddp <= zero2 <= zero3, (k, ddp, zero2, zero3)
+
+
+def hand_step_seconds(regime: str, strategy: Strategy, k: int) -> float:
+    """The cost model's step time for the 144M-parameter STATS at 8 ranks, written out."""
+    hw, block_flops, compute_bytes, nodes = REGIMES[regime]
+    forward = BLOCKS * block_flops + block_flops // 10  # the blocks + the rest (profile())
+    compute = (3 * forward + k * block_flops) / hw.flops_per_s  # fwd + bwd (2x) + recompute
+    ring = 7 / 8  # a ring over N = 8 ranks moves (N - 1) / N of the payload per pass
+    bandwidth = hw.inter_node_bytes_per_s if nodes > 1 else hw.intra_node_bytes_per_s
+    grads = 144 * M * 4  # fp32 gradients, all-reduced or reduce-scattered
+    gathered = 144 * M * compute_bytes  # parameters all-gathered in the compute dtype
+    units = BLOCKS + 1  # FSDP units: each block and the root
+    if strategy == Strategy.DDP:
+        buckets = -(-grads // (25 * MiB))  # 576 MiB in 25 MiB buckets: 24 all-reduces
+        traffic = 2 * grads * ring / bandwidth  # all-reduce: reduce-scatter + all-gather
+        return max(compute, traffic) + buckets * hw.collective_latency_s
+    passes = 1 if strategy == Strategy.SHARD_GRAD_OP else 2  # ZeRO-3 gathers again in backward
+    traffic = (passes * gathered + grads) * ring / bandwidth
+    copies = 2 * passes * gathered / hw.memory_bytes_per_s  # FSDP2 copy-in/copy-out
+    launches = (passes + 1) * units * hw.collective_latency_s  # all-gathers + reduce-scatter
+    return max(compute, traffic) + copies + launches
+
+
+@pytest.mark.parametrize("regime", ["cpu-comm-bound-bf16", "cuda-two-nodes-bf16"])
+def test_step_time_when_bf16_traffic_dominates(regime: str) -> None:
+    # Under bf16 mixed precision ZeRO-2 sends 2 (bf16 all-gather) + 4 (fp32 reduce-scatter)
+    # = 6 bytes per parameter, DDP all-reduces fp32 gradients, 2 x 4 = 8 bytes: when the step is
+    # communication-bound ZeRO-2 models faster than DDP. ZeRO-3 gathers twice: 2 + 2 + 4 = 8.
+    hardware, block_flops, compute_bytes, nodes = REGIMES[regime]
+    prof = profile(256 * MiB, 16 * MiB, 64 * MiB, block_flops)
+    inputs = make_inputs(
+        8, AMPLE, prof, compute_bytes=compute_bytes, hardware=hardware, num_nodes=nodes
+    )
+    for k in (0, 4, BLOCKS):
+        times = {s: step_seconds(inputs, s, k) for s in ALL}
+        for strategy, seconds in times.items():
+            assert math.isclose(seconds, hand_step_seconds(regime, strategy, k), rel_tol=1e-12)
+        assert times[Strategy.SHARD_GRAD_OP] <= times[Strategy.FULL_SHARD], (k, times)
+        assert times[Strategy.SHARD_GRAD_OP] < times[Strategy.DDP], (k, times)
+
+
+def test_step_time_cpu_bf16_by_the_numbers() -> None:
+    # CPU figures: 2e9 B/s between ranks, 1e10 B/s memory, 1e-4 s per collective; 1e3 FLOPs per
+    # block makes compute negligible (3 * 8100 / 5e10 s).
+    inputs = make_inputs(
+        8,
+        AMPLE,
+        profile(256 * MiB, 16 * MiB, 64 * MiB, 10**3),
+        hardware=hardware_for("cpu", None, True),
+    )
+    # DDP: 2 x 576 MiB x 7/8 / 2e9 = 0.528482304 s + 24 buckets x 1e-4.
+    assert math.isclose(step_seconds(inputs, Strategy.DDP, 0), 0.528482304 + 0.0024)
+    # ZeRO-2: (288 + 576) MiB x 7/8 / 2e9 = 0.396361728 s + copies 2 x 288 MiB / 1e10
+    # = 0.0603979776 s + 2 x 9 launches x 1e-4.
+    assert math.isclose(
+        step_seconds(inputs, Strategy.SHARD_GRAD_OP, 0), 0.396361728 + 0.0603979776 + 0.0018
+    )
+    # ZeRO-3: (2 x 288 + 576) MiB x 7/8 / 2e9 = 0.528482304 s + copies 4 x 288 MiB / 1e10
+    # = 0.1207959552 s + 3 x 9 launches x 1e-4.
+    assert math.isclose(
+        step_seconds(inputs, Strategy.FULL_SHARD, 0), 0.528482304 + 0.1207959552 + 0.0027
+    )
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_more_checkpointing_is_never_faster(regime: str) -> None:
+    hardware, block_flops, compute_bytes, nodes = REGIMES[regime]
+    prof = profile(256 * MiB, 16 * MiB, 64 * MiB, block_flops)
+    inputs = make_inputs(
+        8, AMPLE, prof, compute_bytes=compute_bytes, hardware=hardware, num_nodes=nodes
+    )
+    for strategy in (Strategy.LOCAL, *ALL):
+        times = [step_seconds(inputs, strategy, k) for k in range(BLOCKS + 1)]
+        assert times == sorted(times), strategy
+
+
+def test_more_checkpointing_is_slower_when_compute_bound() -> None:
+    inputs = make_inputs(8, AMPLE)  # CPU figures, 1e12 FLOPs per block: compute-bound
+    for strategy in (Strategy.LOCAL, *ALL):
+        times = [step_seconds(inputs, strategy, k) for k in range(BLOCKS + 1)]
+        assert all(a < b for a, b in zip(times, times[1:], strict=False)), strategy
+        # Each checkpointed block costs one more forward of it at the modelled throughput.
+        extra = BIG_ACTIVATIONS.block_forward_flops[0] / CPU.flops_per_s
+        assert math.isclose(times[1] - times[0], extra, rel_tol=1e-9)
+
+
+def test_forced_strategy_is_obeyed_when_it_does_not_fit() -> None:
+    probe = make_inputs(8, AMPLE)
+    usable = peak(probe, Strategy.FULL_SHARD)  # FULL_SHARD fits; DDP does not, even with AC
+    assert min_peak(probe, Strategy.DDP) > usable
+    inputs = make_inputs(8, usable)
+    plan = decide(inputs, ALL, Strategy.DDP, None)
+    assert plan.strategy == Strategy.DDP
+    chosen = chosen_of(plan)
+    assert not chosen.fits
+    # The most frugal DDP: the smallest peak over every number of checkpointed blocks.
+    assert plan.estimated_peak_bytes == min_peak(probe, Strategy.DDP)
+    assert "strategy DDP forced by the caller" in plan.reasons
+    warning = next(r for r in plan.reasons if r.startswith("warning:"))
+    assert "DDP" in warning
+    assert human(plan.estimated_peak_bytes) in warning and human(usable) in warning
+
+
+def test_forced_strategy_that_fits_is_obeyed_without_warning() -> None:
+    plan = decide(make_inputs(8, AMPLE), ALL, Strategy.FULL_SHARD, None)
+    assert (plan.strategy, plan.activation_checkpointing) == (Strategy.FULL_SHARD, 0)
+    assert [c.strategy for c in plan.candidates] == [Strategy.FULL_SHARD]  # the only candidate
+    assert "strategy FULL_SHARD forced by the caller" in plan.reasons
+    assert not any(r.startswith("warning") for r in plan.reasons)
+
+
+def test_forced_checkpointing_is_obeyed_by_every_candidate() -> None:
+    plan = decide(make_inputs(8, AMPLE), ALL, None, 3)
+    assert plan.activation_checkpointing == 3
+    assert {c.activation_checkpointing for c in plan.candidates} == {3}
+    assert plan.strategy == Strategy.DDP
+    # Where only more blocks than forced would fit, no frugal alternative is tried: nothing fits.
+    probe = make_inputs(8, AMPLE)
+    usable = peak(probe, Strategy.FULL_SHARD, 4)
+    assert not any(candidate(make_inputs(8, usable), s, 2).fits for s in ALL)
+    with pytest.raises(DoesNotFit, match="2/8 blocks checkpointed"):
+        decide(make_inputs(8, usable), ALL, None, 2)
+
+
+@pytest.mark.parametrize("forced", ALL)
+def test_forced_wrapper_without_a_process_group_is_a_value_error(forced: Strategy) -> None:
+    with pytest.raises(ValueError, match="needs a process group"):
+        decide(make_inputs(1, AMPLE), strategies_for(1, False), forced, None)
+
+
+@pytest.mark.parametrize("forced", ALL)
+def test_forced_wrapper_on_a_one_rank_group_is_obeyed(forced: Strategy) -> None:
+    plan = decide(make_inputs(1, AMPLE), strategies_for(1, True), forced, None)
+    assert plan.strategy == forced
+    assert [c.strategy for c in plan.candidates] == [forced]
+    assert f"strategy {forced} forced by the caller" in plan.reasons
+
+
+def test_nothing_fits_raises_does_not_fit_with_the_missing_amount() -> None:
+    usable = 64 * MiB
+    inputs = make_inputs(8, usable)
+    with pytest.raises(DoesNotFit) as info:
+        decide(inputs, ALL, None, None)
+    error = info.value
+    assert isinstance(error, ValueError)  # callers catching ValueError see it too
+    best = min(min_peak(inputs, s) for s in ALL)
+    assert error.missing_bytes == best - usable
+    message = str(error)
+    assert f"{human(best - usable)} missing" in message
+    assert human(best) in message and human(usable) in message
+    assert "FULL_SHARD" in message  # the most frugal candidate is named
+    assert "smaller per-rank batch" in message  # what would help
+    assert "more ranks" in message
+    assert "memory_limit" in message
+
+
+def test_nothing_fits_without_a_profile() -> None:
+    with pytest.raises(DoesNotFit, match="missing"):
+        decide(make_inputs(1, MiB, None), (Strategy.LOCAL,), None, None)
+
+
+def test_candidates_are_not_listed_twice() -> None:
+    # No trace (no example batch): checkpointing cannot be estimated, so the "frugal" alternative
+    # of a candidate that does not fit is the same candidate.
+    plan = decide(make_inputs(8, MiB, None), ALL, Strategy.FULL_SHARD, None)
+    keys = [(c.strategy, c.activation_checkpointing) for c in plan.candidates]
+    assert len(keys) == len(set(keys)), keys
+    assert sum(line.startswith("* ") for line in str(plan).splitlines()) == 1
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+HEADER = [
+    "candidate",
+    "AC",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "comm",
+    "temp",
+    "other",
+    "peak",
+    "step",
+    "fits",
+]
+
+
+def test_str_plan_renders_a_table_of_every_candidate() -> None:
+    probe = make_inputs(8, AMPLE)
+    plan = decide(make_inputs(8, peak(probe, Strategy.FULL_SHARD, 2)), ALL, None, None)
+    assert len(plan.candidates) == 6  # each strategy plain, and its frugal alternative
+    lines = str(plan).splitlines()
+    assert lines[0].startswith("autoshard plan: ")
+    assert str(plan.strategy) in lines[0] and "world size 8" in lines[0]
+    assert f"{plan.activation_checkpointing}/{BLOCKS} blocks" in lines[0]
+    assert "usable memory per rank" in lines[1] and "measured" not in lines[1]
+    header = lines[2]
+    assert header.split("(")[0].split() == HEADER
+    assert "GiB per rank" in header  # peaks here are above 1 GiB
+    rows = lines[3 : 3 + len(plan.candidates)]
+    marked = [row for row in rows if row.startswith("* ")]
+    assert len(marked) == 1
+    for row, c in zip(rows, plan.candidates, strict=True):
+        cells = row.lstrip("* ").split()
+        assert len(cells) == len(HEADER)
+        assert cells[0] == str(c.strategy)
+        assert cells[1] == f"{c.activation_checkpointing}/{BLOCKS}"
+        assert cells[9] == f"{c.estimated_peak_bytes / GiB:.2f}"
+        assert cells[10].endswith("ms")
+        assert cells[11] == ("yes" if c.fits else "no")
+        is_chosen = c == chosen_of(plan)
+        assert row.startswith("* ") == is_chosen
+    assert any(c.fits for c in plan.candidates) and not all(c.fits for c in plan.candidates)
+    tail = lines[3 + len(plan.candidates) :]
+    assert tail == [f"- {reason}" for reason in plan.reasons]
+
+
+def test_str_plan_shows_the_measured_peak_and_the_trials() -> None:
+    plan = decide(make_inputs(1, AMPLE), (Strategy.LOCAL,), None, None)
+    plan = dataclasses.replace(
+        plan,
+        measured_peak_bytes=3 * GiB,
+        attempts=(Attempt(Strategy.LOCAL, 0, "ok in 0.10s", 3 * GiB),),
+    )
+    text = str(plan)
+    lines = text.splitlines()
+    assert "measured 3.00 GiB" in lines[1]
+    trials = [line for line in lines if line.startswith("trial: ")]
+    assert trials == ["trial: LOCAL AC 0: ok in 0.10s, measured peak 3.00 GiB"]
+
+
+# --- autoshard.plan: what-if, one process, no process group --------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Tower(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def tower() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Tower()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randn(4, 8)
+
+
+def test_plan_what_if_eight_ranks(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    before = [p.detach().clone() for p in model.parameters()]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = autoshard.plan(model, optimizer, batch, world_size=8, device_memory="80GiB")
+    assert isinstance(plan, autoshard.Plan)
+    assert plan.world_size == 8
+    assert plan.device_memory_bytes == 80 * GiB
+    assert plan.num_blocks == 4
+    assert plan.strategy == Strategy.DDP  # a small model: everything fits, DDP is fastest
+    by_strategy = {c.strategy: c for c in plan.candidates}
+    assert set(by_strategy) == set(ALL)
+    assert by_strategy[Strategy.FULL_SHARD].footprint.params == -(-total // 8)
+    assert by_strategy[Strategy.SHARD_GRAD_OP].footprint.params == -(-total // 8)
+    assert by_strategy[Strategy.DDP].footprint.params == total
+    # Nothing was touched.
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(param, old) and param.grad is None
+    assert not optimizer.state
+
+
+def test_plan_what_if_one_rank_is_local(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    plan = autoshard.plan(model, optimizer, batch, world_size=1, device_memory="80GiB")
+    assert plan.strategy == Strategy.LOCAL
+    assert [c.strategy for c in plan.candidates] == [Strategy.LOCAL]
+
+
+def test_plan_memory_limit_caps_device_memory(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=8, device_memory="80GiB", memory_limit="1GiB"
+    )
+    assert plan.device_memory_bytes == GiB
+    assert any("capped by memory_limit" in r for r in plan.reasons)
+
+
+def test_plan_what_if_does_not_fit(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    with pytest.raises(DoesNotFit, match="missing"):
+        autoshard.plan(model, optimizer, batch, world_size=2, device_memory=1024)
+
+
+@pytest.mark.parametrize("world_size", [0, -2, True, 2.0, "8"])
+def test_plan_rejects_a_bad_world_size(
+    world_size: object, tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]
+) -> None:
+    model, optimizer, batch = tower
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        autoshard.plan(model, optimizer, batch, world_size=world_size, device_memory="80GiB")  # type: ignore[arg-type]
+
+
+def test_plan_rejects_a_bad_device_memory(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    with pytest.raises(ValueError, match="device_memory='lots'"):
+        autoshard.plan(model, optimizer, batch, world_size=8, device_memory="lots")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard"])
+def test_plan_forcing_a_wrapper_on_one_rank_plans_a_one_rank_group(
+    strategy: str, tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]
+) -> None:
+    model, optimizer, batch = tower
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=1, device_memory="80GiB", strategy=strategy
+    )
+    assert plan.strategy == Strategy(strategy)
+    assert plan.world_size == 1
+    assert [c.strategy for c in plan.candidates] == [Strategy(strategy)]
+    assert f"strategy {Strategy(strategy)} forced by the caller" in plan.reasons
+    # One rank: a "shard" is the whole model.
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan.candidates[0].footprint.params == total
+
+
+def test_plan_forcing_a_strategy_what_if(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=8, device_memory="80GiB", strategy="full_shard"
+    )
+    assert plan.strategy == Strategy.FULL_SHARD
+    assert "strategy FULL_SHARD forced by the caller" in plan.reasons

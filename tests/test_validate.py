@@ -1,0 +1,310 @@
+"""Bad input to `autoshard.prepare`: every case raises a message that names the problem, and raises
+before anything is changed (parameters bitwise and by identity, the optimizer's param groups, the
+RNG). Single process; the already-wrapped cases build a one-rank gloo group of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not launched by torchrun, whatever the environment says: prepare must not start a group."""
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randn(4, 8)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Unchanged:
+    """What prepare must leave alone when it refuses its arguments."""
+
+    def __init__(self, model: Any, optimizer: Any, watch: nn.Module | None = None) -> None:
+        """`watch`: the module whose parameters to check when `model` is not a module."""
+        module = model if isinstance(model, nn.Module) else watch
+        self.model, self.optimizer = module, optimizer
+        self.params = list(module.named_parameters()) if module is not None else []
+        self.values = [_local(p).detach().clone() for _, p in self.params]
+        self.modules = [(n, type(m)) for n, m in module.named_modules()] if module else []
+        self.groups = [
+            list(g["params"]) for g in getattr(optimizer, "param_groups", [])
+        ]  # the objects, not copies
+        self.options = [
+            {k: v for k, v in g.items() if k != "params"}
+            for g in getattr(optimizer, "param_groups", [])
+        ]
+        self.rng = torch.get_rng_state()
+
+    def check(self) -> None:
+        if isinstance(self.model, nn.Module):
+            now = list(self.model.named_parameters())
+            assert [n for n, _ in now] == [n for n, _ in self.params]
+            for (_, param), (_, old), value in zip(now, self.params, self.values, strict=True):
+                assert param is old  # the same parameter objects
+                assert torch.equal(_local(param), value)  # bitwise unchanged
+                assert param.grad is None
+            assert [(n, type(m)) for n, m in self.model.named_modules()] == self.modules
+            assert "forward" not in vars(self.model)  # no autocast wrapper installed
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            groups = self.optimizer.param_groups
+            assert len(groups) == len(self.groups)
+            for group, old in zip(groups, self.groups, strict=True):
+                assert len(group["params"]) == len(old)
+                assert all(a is b for a, b in zip(group["params"], old, strict=True))
+            options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+            assert options == self.options
+            assert not self.optimizer.state
+        assert torch.equal(torch.get_rng_state(), self.rng)
+
+
+def refuses(
+    error: type[Exception],
+    match: str,
+    model: Any,
+    optimizer: Any,
+    batch: Any = None,
+    *,
+    watch: nn.Module | None = None,
+    **options: Any,
+) -> str:
+    unchanged = Unchanged(model, optimizer, watch)
+    with pytest.raises(error, match=match) as info:
+        autoshard.prepare(model, optimizer, batch, **options)
+    unchanged.check()
+    return str(info.value)
+
+
+# --- the model and the optimizer -----------------------------------------------------------------
+
+
+def test_model_that_is_not_a_module() -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        TypeError, "model must be a torch.nn.Module", model.forward, optimizer, batch, watch=model
+    )
+    assert "method" in message  # the type it got
+
+
+def test_optimizer_that_is_not_an_optimizer() -> None:
+    model, _, batch = make()
+    params = list(model.parameters())
+    message = refuses(TypeError, "optimizer must be a torch.optim.Optimizer", model, params, batch)
+    assert "list" in message
+
+
+def test_optimizer_holding_a_parameter_the_model_does_not_own() -> None:
+    model, _, batch = make()
+    stranger = nn.Parameter(torch.zeros(3, 5))
+    optimizer = torch.optim.AdamW([*model.parameters(), stranger], lr=1e-3)
+    message = refuses(ValueError, "model does not own", model, optimizer, batch)
+    assert "(3, 5)" in message  # names the parameter by its shape
+    assert "build the optimizer on model.parameters()" in message  # and gives the fix
+
+
+def test_model_wrapped_in_data_parallel() -> None:
+    model, optimizer, batch = make()
+    wrapped = nn.DataParallel(model)  # on CPU this holds the module and does nothing else
+    message = refuses(ValueError, "DataParallel", wrapped, optimizer, batch)
+    assert "obsolete" in message
+    assert "model.module" in message  # unwrap
+    assert "torchrun" in message  # and what to do instead
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_model_already_wrapped_in_ddp(one_rank_group: None) -> None:
+    model, optimizer, batch = make()
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    message = refuses(
+        ValueError, "already wrapped in DistributedDataParallel", wrapped, optimizer, batch
+    )
+    assert "model.module" in message
+
+
+def test_model_already_passed_through_fully_shard(one_rank_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, batch = make()
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    message = refuses(ValueError, "already sharded with FSDP", model, optimizer, batch)
+    assert "fully_shard" in message
+
+
+def test_submodule_already_passed_through_fully_shard(one_rank_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, batch = make()
+    fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    refuses(ValueError, "submodule 'blocks.1' is already sharded", model, optimizer, batch)
+
+
+def test_model_without_trainable_parameters() -> None:
+    model, _, batch = make()
+    model.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    refuses(ValueError, "no trainable parameters", model, optimizer, batch)
+
+
+# --- the options ---------------------------------------------------------------------------------
+
+
+def test_unknown_strategy() -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        ValueError, "strategy='zero4' is not one of", model, optimizer, batch, strategy="zero4"
+    )
+    assert "'full_shard'" in message  # lists the choices
+
+
+def test_unknown_mixed_precision() -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        ValueError,
+        "mixed_precision='fp8' is not one of",
+        model,
+        optimizer,
+        batch,
+        mixed_precision="fp8",
+    )
+    assert "'bf16'" in message
+
+
+@pytest.mark.parametrize("value", [-1, "some", 1.5, None])
+def test_bad_activation_checkpointing(value: Any) -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        ValueError,
+        "activation_checkpointing=",
+        model,
+        optimizer,
+        batch,
+        activation_checkpointing=value,
+    )
+    assert "'auto'" in message and ">= 0" in message
+
+
+def test_activation_checkpointing_of_more_blocks_than_the_model_has() -> None:
+    model, optimizer, batch = make()
+    refuses(
+        ValueError, "only 2 repeated block", model, optimizer, batch, activation_checkpointing=3
+    )
+
+
+@pytest.mark.parametrize("value", ["lots", 0, -5])
+def test_memory_limit_bad_value(value: Any) -> None:
+    model, optimizer, batch = make()
+    refuses(ValueError, "memory_limit", model, optimizer, batch, memory_limit=value)
+
+
+@pytest.mark.parametrize("value", [True, [1]])
+def test_memory_limit_bad_type(value: Any) -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        TypeError,
+        "memory_limit must be a number of bytes",
+        model,
+        optimizer,
+        batch,
+        memory_limit=value,
+    )
+    assert "'20GiB'" in message
+
+
+def test_loss_fn_not_callable() -> None:
+    model, optimizer, batch = make()
+    refuses(TypeError, "loss_fn must be callable", model, optimizer, batch, loss_fn=3)
+
+
+def test_trial_step_not_a_bool() -> None:
+    model, optimizer, batch = make()
+    refuses(
+        TypeError, "trial_step must be True or False", model, optimizer, batch, trial_step="yes"
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard"])
+def test_distributed_strategy_without_a_process_group(strategy: str) -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        ValueError, "needs a process group", model, optimizer, batch, strategy=strategy
+    )
+    assert "torchrun" in message  # and says how to get one
+
+
+def test_model_errors_come_before_option_errors() -> None:
+    # Two problems: the model's is reported (the first argument checked).
+    model, optimizer, batch = make()
+    refuses(
+        TypeError, "model must be", "not a model", optimizer, batch, watch=model, strategy="zero4"
+    )
+
+
+def test_does_not_fit_raises_before_anything_changes() -> None:
+    model, optimizer, batch = make()
+    message = refuses(autoshard.DoesNotFit, "missing", model, optimizer, batch, memory_limit=1024)
+    assert "memory_limit" in message

@@ -1,0 +1,196 @@
+"""strategy="auto" under a memory limit, and bad input on one rank only (no rank may hang).
+
+Usage (from tests/_dist.py): torchrun --nproc-per-node 2 decide.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import (
+    Cases,
+    build,
+    error_of,
+    is_fsdp,
+    local_batches,
+    rank,
+    reference_losses,
+    train,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import autoshard
+
+# Wide blocks and a small batch: parameters, gradients and optimizer state dominate the peak, so
+# checkpointing activations cannot bring DDP under a limit set between DDP and FSDP.
+WIDTH = 64
+DEPTH = 4
+STEPS = 5
+
+cases = Cases()
+
+
+def _what_if(**options: Any) -> autoshard.Plan:
+    model, optimizer = build(WIDTH, DEPTH)
+    return autoshard.plan(
+        model,
+        optimizer,
+        local_batches(1)[0],
+        world_size=2,
+        device_memory="1TiB",
+        mixed_precision="no",
+        **options,
+    )
+
+
+def _candidates(plan: autoshard.Plan) -> list[dict[str, Any]]:
+    return [
+        {
+            "strategy": c.strategy.value,
+            "activation_checkpointing": c.activation_checkpointing,
+            "peak": c.estimated_peak_bytes,
+            "fits": c.fits,
+        }
+        for c in plan.candidates
+    ]
+
+
+def _auto(limit: int) -> dict[str, Any]:
+    model, optimizer = build(WIDTH, DEPTH)
+    batches = local_batches(STEPS)
+    wrapped, _, plan = autoshard.prepare(
+        model, optimizer, batches[0], memory_limit=limit, mixed_precision="no"
+    )
+    return {
+        "limit": limit,
+        "strategy": plan.strategy.value,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "device_memory_bytes": plan.device_memory_bytes,
+        "estimated_peak_bytes": plan.estimated_peak_bytes,
+        "candidates": _candidates(plan),
+        "reasons": list(plan.reasons),
+        "is_fsdp": is_fsdp(wrapped),
+        "is_ddp": isinstance(wrapped, nn.parallel.DistributedDataParallel),
+        "losses": train(wrapped, optimizer, batches),
+        "reference_losses": reference_losses(STEPS, width=WIDTH, depth=DEPTH),
+    }
+
+
+_estimates: dict[str, Any] = {}
+
+
+@cases.case
+def what_if_estimates() -> dict[str, Any]:
+    """The candidates' estimated peaks, read with plan() (decides only, wraps nothing)."""
+    plain = _what_if()
+    peaks = {
+        c.strategy.value: c.estimated_peak_bytes
+        for c in plain.candidates
+        if c.activation_checkpointing == 0
+    }
+    # DDP's least peak with any number of checkpointed blocks: the limit must stay below it too,
+    # or auto could rightly pick DDP with checkpointing.
+    ddp_by_ac = [
+        _what_if(strategy="ddp", activation_checkpointing=k).estimated_peak_bytes
+        for k in range(DEPTH + 1)
+    ]
+    fsdp_min = min(peaks["shard_grad_op"], peaks["full_shard"])
+    _estimates.update(
+        peaks=peaks,
+        ddp_by_ac=ddp_by_ac,
+        # Midway between DDP's least peak (any checkpointing) and the smallest FSDP peak.
+        between=(min(ddp_by_ac) + fsdp_min) // 2,
+        generous=4 * peaks["ddp"],
+        candidates=_candidates(plain),
+    )
+    return dict(_estimates)
+
+
+@cases.case
+def auto_limit_between_ddp_and_fsdp() -> dict[str, Any]:
+    return _auto(_estimates["between"])
+
+
+@cases.case
+def auto_generous_limit() -> dict[str, Any]:
+    return _auto(_estimates["generous"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input on one rank: every rank raises, none waits for the others
+
+
+def _untouched(model: nn.Module, optimizer: torch.optim.Optimizer, ids: list[int]) -> bool:
+    """prepare() raised before changing anything: no sharding, optimizer still on the originals."""
+    return (
+        not is_fsdp(model)
+        and not any(isinstance(p, DTensor) for p in model.parameters())
+        and [id(p) for p in optimizer.param_groups[0]["params"]] == ids
+    )
+
+
+def _one_rank_differs(
+    mine: dict[str, Any], theirs: dict[str, Any], **build_args: Any
+) -> dict[str, Any]:
+    """Rank 1 passes `theirs` (or builds with `build_args`), rank 0 passes `mine`."""
+    odd = rank() == 1
+    model, optimizer = build(**(build_args if odd else {}))
+    ids = [id(p) for p in model.parameters()]
+    batch = local_batches(1)[0]
+    options = theirs if odd else mine
+    result = error_of(lambda: autoshard.prepare(model, optimizer, batch, **options))
+    result["untouched"] = _untouched(model, optimizer, ids)
+    return result
+
+
+@cases.case
+def bad_strategy_on_rank1() -> dict[str, Any]:
+    return _one_rank_differs({"strategy": "ddp"}, {"strategy": "zero4"})
+
+
+@cases.case
+def bad_type_on_rank1() -> dict[str, Any]:
+    return _one_rank_differs({"trial_step": True}, {"trial_step": "yes"})
+
+
+@cases.case
+def different_model_on_rank1() -> dict[str, Any]:
+    return _one_rank_differs({"strategy": "ddp"}, {"strategy": "ddp"}, width=48)
+
+
+@cases.case
+def different_strategy_on_rank1() -> dict[str, Any]:
+    return _one_rank_differs({"strategy": "ddp"}, {"strategy": "full_shard"})
+
+
+@cases.case
+def local_strategy_on_two_ranks() -> dict[str, Any]:
+    """strategy="local" (no wrapper) cannot train 2 ranks: a ValueError on both, as for "zero4"."""
+    return _one_rank_differs({"strategy": "local"}, {"strategy": "local"})
+
+
+@cases.case
+def still_in_step_after_errors() -> dict[str, Any]:
+    """After the errors above, both ranks still meet in the same collectives and train."""
+    model, optimizer = build()
+    batches = local_batches(STEPS)
+    wrapped, _, plan = autoshard.prepare(
+        model, optimizer, batches[0], strategy="full_shard", mixed_precision="no"
+    )
+    losses = train(wrapped, optimizer, batches)
+    marker = torch.tensor([float(rank() + 1)])
+    dist.all_reduce(marker)
+    return {
+        "strategy": plan.strategy.value,
+        "losses": losses,
+        "reference_losses": reference_losses(STEPS),
+        "all_reduce": float(marker),
+    }
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    cases.main()
