@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -21,7 +22,7 @@ from autoshard._inputs import (
     usable_memory,
     worst,
 )
-from autoshard._plan import Plan, after_trial, all_candidates, decide, strategies_for
+from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide, strategies_for
 from autoshard._trial import prove
 from autoshard._units import parse_bytes
 from autoshard._validate import Request, check_model, check_optimizer, check_request
@@ -134,6 +135,7 @@ def prepare(
         memory_limit=memory_limit,
         trial_step=trial_step,
     )
+    request: Request | None = None
     own_error: Exception | None = None
     try:
         request = _validate(model, optimizer, loss_fn, options)
@@ -142,9 +144,54 @@ def prepare(
     world = resolve(init=True)
     if own_error is not None and not world.distributed:
         raise own_error
-    memory = local_memory(world)
-    measured, blocks, reasons = None, [], list(world.reasons)
-    if own_error is None:
+    decision = _decide_everywhere(
+        model, optimizer, example_batch, loss_fn, world, request, own_error
+    )
+    wrapping = start(model, decision.block_names, world, decision.plan.mixed_precision)
+    result = prove(
+        wrapping,
+        optimizer,
+        decision.first,
+        decision.rungs,
+        example_batch,
+        loss_fn,
+        trial_step,
+        decision.plan.device_memory_bytes,
+        decision.memory_limit,
+    )
+    final = after_trial(
+        decision.plan, result.chosen, result.attempts, result.measured_peak, result.notes
+    )
+    if world.rank == 0:
+        logger.info("\n%s", final)
+    return Prepared(wrapping.model, optimizer, final, wrapping.scaler)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What every rank decided, from the same agreed data."""
+
+    plan: Plan
+    first: Candidate  # the chosen candidate: the trial's first rung
+    rungs: list[Candidate]  # every rung the trial may fall back to
+    block_names: list[str]
+    memory_limit: int | None
+
+
+def _decide_everywhere(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    loss_fn: LossFn | None,
+    world: World,
+    request: Request | None,
+    own_error: Exception | None,
+) -> _Decision:
+    """Measure here, agree with every rank in one collective (raising the same error everywhere
+    if any rank's arguments were bad), then decide from the agreed data, the same everywhere."""
+    measured, names, blocks, reasons = None, [], [], list(world.reasons)
+    mp = "no"
+    if request is not None:
         names = [name for name, _ in find_blocks(model)]
         blocks = [model.get_submodule(n) for n in names]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
@@ -152,15 +199,14 @@ def prepare(
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
     reports = agree(
         world,
-        memory,
-        _fingerprint(model, request) if own_error is None else (),
+        local_memory(world),
+        _fingerprint(model, request) if request is not None else (),
         None if own_error is None else str(own_error),
         measured,
     )
     _raise_rank_errors(reports, world, own_error)
-    assert measured is not None  # every rank without an error measured
+    assert request is not None and measured is not None  # else _raise_rank_errors raised
     usable, usable_reason = usable_memory(reports, request.memory_limit)
-    num_nodes = len({r.host for r in reports})
     inputs = plan_inputs(
         model,
         optimizer,
@@ -168,7 +214,7 @@ def prepare(
         example_batch,
         worst([r.measured.profile for r in reports]),
         world.world_size,
-        num_nodes,
+        len({r.host for r in reports}),
         usable,
         world.device,
         mp,
@@ -177,29 +223,10 @@ def prepare(
     forced_ac = forced_checkpointing(request, len(blocks))
     strategies = strategies_for(world.world_size, world.distributed)
     plan = decide(inputs, strategies, request.strategy, forced_ac)
-    first = next(
-        c
-        for c in plan.candidates
-        if (c.strategy, c.activation_checkpointing)
-        == (plan.strategy, plan.activation_checkpointing)
-    )
-    wrapping = start(model, names, world, plan.mixed_precision)
+    chosen = (plan.strategy, plan.activation_checkpointing)
+    first = next(c for c in plan.candidates if (c.strategy, c.activation_checkpointing) == chosen)
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    result = prove(
-        wrapping,
-        optimizer,
-        first,
-        rungs,
-        example_batch,
-        loss_fn,
-        trial_step,
-        usable,
-        request.memory_limit,
-    )
-    plan = after_trial(plan, result.chosen, result.attempts, result.measured_peak, result.notes)
-    if world.rank == 0:
-        logger.info("\n%s", plan)
-    return Prepared(wrapping.model, optimizer, plan, wrapping.scaler)
+    return _Decision(plan, first, rungs, names, request.memory_limit)
 
 
 def plan(
