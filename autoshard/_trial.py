@@ -34,6 +34,8 @@ from autoshard._plan import Attempt, Candidate
 from autoshard._units import human
 
 MAX_ATTEMPTS = 4
+# What a rung whose step died of OOM is assumed to have needed, relative to the usable memory.
+ABORTED_OVERSHOOT = 1.25
 
 
 def is_oom(error: BaseException) -> bool:
@@ -286,11 +288,15 @@ def next_rung(
 
     Reachable rungs are further up the ladder by construction (at least as sharded, at least as
     many blocks checkpointed, not tried yet), whatever their estimates say: the estimate just
-    proved wrong. Every estimate is scaled by how far the failed one fell short (its measured
-    peak on CPU; at least the usable memory it exceeded), and the fastest rung that then fits
-    with room to spare is next; if none does, the most frugal rung left.
+    proved wrong. Every estimate is scaled by how far the failed one fell short of what the
+    rung really needed, and the fastest rung that then fits is next; if none does, the most
+    frugal rung left. What it needed is its measured peak when the step completed over the
+    limit (CPU); when an OOM aborted the step it is unknown beyond "more than usable", and a
+    25% overshoot is assumed, so that each attempt moves by a real step rather than by one
+    checkpointed block at a time.
     """
-    shortfall = max(1.0, max(peak or 0, usable) / max(failed.estimated_peak_bytes, 1))
+    needed = peak if peak is not None and peak > usable else ABORTED_OVERSHOOT * usable
+    shortfall = max(1.0, needed / max(failed.estimated_peak_bytes, 1))
     level = _ESCALATION[failed.strategy.value]
     reachable = [
         c
