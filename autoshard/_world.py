@@ -82,12 +82,16 @@ def _cuda() -> bool:
 
 def _init_process_group() -> str:
     local_rank = int(os.environ["LOCAL_RANK"])
+    # accelerate launch starts the ranks through torchrun and adds its own ACCELERATE_* settings.
+    launcher = (
+        "accelerate launch" if any(k.startswith("ACCELERATE_") for k in os.environ) else "torchrun"
+    )
     if _cuda():
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        return f"launched by torchrun: initialised the process group (nccl, cuda:{local_rank})"
+        return f"launched by {launcher}: initialised the process group (nccl, cuda:{local_rank})"
     dist.init_process_group("gloo")
-    return "launched by torchrun with no GPU: initialised the process group (gloo, cpu)"
+    return f"launched by {launcher} with no GPU: initialised the process group (gloo, cpu)"
 
 
 @dataclass(frozen=True)
