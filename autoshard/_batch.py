@@ -37,7 +37,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    tensors = [t for t in _leaves(output) if t.is_floating_point()]
+    tensors = [t for t in tensors_in(output) if t.is_floating_point()]
     if not tensors:
         raise ValueError(
             "cannot derive a loss from the model's output: it has no `loss` and no floating-point "
@@ -52,10 +52,11 @@ def batch_to(batch: Any, device: torch.device) -> Any:
 
 
 def batch_bytes(batch: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _leaves(batch))
+    return sum(t.numel() * t.element_size() for t in tensors_in(batch))
 
 
-def _leaves(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure (and in a Hugging Face ModelOutput)."""
     found: list[torch.Tensor] = []
 
     def visit(x: Any) -> Any:

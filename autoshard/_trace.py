@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoshard._batch import LossFn, compute_loss, split_batch
+from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
 
 logger = logging.getLogger("autoshard")
 
@@ -136,7 +136,7 @@ def profile_step(
     fake_batch = tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
     )
-    existing = {t.untyped_storage()._cdata for t in [*state.values(), *_tensors(fake_batch)]}
+    existing = {t.untyped_storage()._cdata for t in [*state.values(), *tensors_in(fake_batch)]}
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     counter = FlopCounterMode(display=False)
@@ -194,7 +194,7 @@ def _attribution_hooks(
             attribution.enter(index)
             attribution.inputs[index] = sum(
                 t.untyped_storage().nbytes()
-                for t in _tensors((args, kwargs))
+                for t in tensors_in((args, kwargs))
                 if t.is_floating_point()
             )
             block_flops[index] = -counter.get_total_flops()
@@ -206,12 +206,6 @@ def _attribution_hooks(
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True))
     return handles
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda x: found.append(x) if isinstance(x, torch.Tensor) else None, obj)
-    return found
 
 
 def _device_type(model: nn.Module) -> str:
