@@ -58,10 +58,18 @@ def resolve(*, init: bool) -> World:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
         )
+        reasons.append(
+            f"one process, no process group: the model is not wrapped (only mixed precision and "
+            f"activation checkpointing apply), training on {device}"
+        )
         return World(0, 0, 1, 1, None, device, False, tuple(reasons))
     backend = str(dist.get_backend())
     on_gpu = _cuda() and "nccl" in backend
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        # NCCL's object collectives use the current device: it must be this rank's, also when
+        # the caller initialised the process group without setting it.
+        torch.cuda.set_device(device)
     world_size = dist.get_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     return World(
