@@ -17,7 +17,7 @@ from autoshard._plan import PlanInputs, hardware_for, strategies_for
 from autoshard._trace import ActivationProfile, profile_step
 from autoshard._units import human
 from autoshard._validate import Request
-from autoshard._world import RankReport
+from autoshard._world import Memory, RankReport
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,12 @@ def resolve_mixed_precision(
     if requested != "auto":
         return requested, f"mixed precision {requested} requested by the caller"
     if device.type != "cuda":
-        return "bf16", "mixed precision bf16 (auto): CPU autocast supports bf16"
+        if _cpu_has_native_bf16():
+            return "bf16", "mixed precision bf16 (auto): this CPU computes bf16 natively (oneDNN)"
+        return "no", (
+            "mixed precision off (auto): this CPU has no native bf16 (oneDNN reports none: no "
+            "AVX512-BF16/AMX), where bf16 autocast runs many times slower than fp32"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if major >= 8:
         return "bf16", f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
@@ -46,6 +51,31 @@ def resolve_mixed_precision(
         f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
         f"gradient scaler (prepared.scaler)"
     )
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def with_resident(
+    memory: Memory, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> Memory:
+    """Free memory plus what the model and optimizer already hold on the training device: the
+    estimate counts those bytes, so they must not also be missing from what is free."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    held = sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device == device
+    )
+    if held == 0:
+        return memory
+    source = f"{memory.source} + {human(held)} the model and optimizer already hold there"
+    return Memory(memory.free_bytes + held, memory.total_bytes, source)
 
 
 def measure(
@@ -75,11 +105,10 @@ def measure(
 
 
 def usable_memory(reports: list[RankReport], limit: int | None) -> tuple[int, str]:
+    """The usable memory per rank: the least any rank has free, capped by memory_limit."""
     low = min(reports, key=lambda r: r.memory.free_bytes)
-    text = (
-        f"free memory per rank {human(low.memory.free_bytes)} (minimum over {len(reports)} "
-        f"rank(s), rank {low.rank}: {low.memory.source})"
-    )
+    where = f"minimum over {len(reports)} ranks, rank {low.rank}: " if len(reports) > 1 else ""
+    text = f"free memory per rank {human(low.memory.free_bytes)} ({where}{low.memory.source})"
     if limit is not None and limit < low.memory.free_bytes:
         return limit, f"{text}, capped by memory_limit at {human(limit)}"
     return low.memory.free_bytes, text

@@ -20,6 +20,7 @@ from autoshard._inputs import (
     plan_inputs,
     resolve_mixed_precision,
     usable_memory,
+    with_resident,
     worst,
 )
 from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide, strategies_for
@@ -199,7 +200,7 @@ def _decide_everywhere(
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
     reports = agree(
         world,
-        local_memory(world),
+        with_resident(local_memory(world), model, optimizer, world.device),
         _fingerprint(model, request) if request is not None else (),
         None if own_error is None else str(own_error),
         measured,

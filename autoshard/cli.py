@@ -17,8 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from torch import nn
+
+import autoshard
 from autoshard import _demo
-from autoshard._demo import _ac_arg, _positive_int, _size_arg
+from autoshard._demo import _positive_int, _size_arg
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -35,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoshard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,plan}")
 
+    _add_demo_parser(sub)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_demo_parser(sub: Any) -> None:
     demo = sub.add_parser(
         "demo",
         help="train a small GPT on this machine under autoshard.prepare",
@@ -50,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     _demo.add_options(demo)
     demo.set_defaults(run=_run_demo, subparser=demo)
 
+
+def _add_plan_parser(sub: Any) -> None:
     plan = sub.add_parser(
         "plan",
         help="print the plan autoshard would choose, without wrapping anything",
@@ -69,26 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="memory of one device, bytes or e.g. '80GiB' (default: measured here)",
     )
-    plan.add_argument(
-        "--memory-limit",
-        type=_size_arg,
-        default=None,
-        help="cap on usable memory per rank, bytes or e.g. '60GiB'",
-    )
-    plan.add_argument(
-        "--strategy",
-        default="auto",
-        choices=["auto", "local", "ddp", "shard_grad_op", "full_shard"],
-    )
-    plan.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
-    plan.add_argument(
-        "--activation-checkpointing",
-        type=_ac_arg,
-        default="auto",
-        help="'auto' or the number of blocks to checkpoint",
-    )
+    _demo.add_decision_options(plan)
     plan.set_defaults(run=_run_plan, subparser=plan)
-    return parser
 
 
 def _inside_torchrun() -> bool:
@@ -96,8 +90,6 @@ def _inside_torchrun() -> bool:
 
 
 def _default_nproc() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
@@ -129,9 +121,6 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any, Any]:
-    import torch
-    from torch import nn
-
     module_name, _, attr = spec.partition(":")
     # A console script does not put the working directory on sys.path; `python -m` does. Add it
     # so `autoshard plan mymodel:build` finds ./mymodel.py either way.
@@ -156,8 +145,6 @@ def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any,
 
 
 def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import autoshard
-
     model, optimizer, batch = _load_factory(parser, args.factory)
     try:
         plan = autoshard.plan(

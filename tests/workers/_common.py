@@ -9,6 +9,7 @@ still report. Assertions live in tests/test_distributed.py, not here.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -77,6 +78,9 @@ class Cases:
             _write_json(path, results)
         results["__finished__"] = {"ok": True, "data": True}
         _write_json(path, results)
+        # Free every DDP wrapper (reference cycles included) while the process group is alive: one
+        # freed after destroy_process_group can hang or abort the exit (seen with plain DDP too).
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
