@@ -155,11 +155,12 @@ class Outcome:
 def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
     if wrapping.strategy is not None and wrapping.strategy.sharded:
         with fsdp_sync_points(wrapping.module, agreement) as supported:
-            if not supported:
-                wrapping.notes.append(
-                    "this torch's FSDP2 has no pluggable comms: ranks agree only before the "
-                    "optimizer step and after the trial step"
-                )
+            note = (
+                "this torch's FSDP2 has no pluggable comms: ranks agree only before the "
+                "optimizer step and after the trial step"
+            )
+            if not supported and note not in wrapping.notes:
+                wrapping.notes.append(note)
             yield
     elif wrapping.ddp is not None:
         handle = ddp_sync_points(wrapping.ddp, agreement)
