@@ -43,6 +43,7 @@ class Wrapping:
     checkpointed: int = 0
     ddp: nn.Module | None = None
     scaler: Any = None
+    find_unused: bool = False  # some parameters get no gradient (from the trace)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -52,11 +53,15 @@ class Wrapping:
 
 
 def start(
-    module: nn.Module, block_names: list[str], world: World, mixed_precision: str
+    module: nn.Module,
+    block_names: list[str],
+    world: World,
+    mixed_precision: str,
+    find_unused: bool,
 ) -> Wrapping:
     names = parameter_names(module)
     module.to(world.device)
-    return Wrapping(module, block_names, world, mixed_precision, names)
+    return Wrapping(module, block_names, world, mixed_precision, names, find_unused=find_unused)
 
 
 def apply(
@@ -78,7 +83,7 @@ def apply(
         if dtype is not None:
             autocast_forward(wrapping.module, wrapping.world.device.type, dtype)
         if strategy == Strategy.DDP:
-            wrapping.ddp = ddp(wrapping.module, wrapping.world)
+            wrapping.ddp = ddp(wrapping)
     wrapping.strategy = strategy
     wrapping.scaler = grad_scaler(wrapping)
     rebind(optimizer, wrapping.names, dict(wrapping.module.named_parameters()))
@@ -125,12 +130,18 @@ def _to_fp32(x: Any) -> Any:
     return x
 
 
-def ddp(module: nn.Module, world: World) -> nn.Module:
+def ddp(wrapping: Wrapping) -> nn.Module:
+    world = wrapping.world
     device_ids = [world.device.index] if world.device.type == "cuda" else None
     # gradient_as_bucket_view: gradients are views into the all-reduce buckets, saving one full
     # copy of the gradients (DESIGN.md section 3 measured that copy on gloo).
+    # find_unused_parameters costs a graph walk every step: only when the trace found
+    # parameters without a gradient, which otherwise make DDP fail on the second step.
     return nn.parallel.DistributedDataParallel(
-        module, device_ids=device_ids, gradient_as_bucket_view=True
+        wrapping.module,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=wrapping.find_unused,
     )
 
 

@@ -148,7 +148,9 @@ def prepare(
     decision = _decide_everywhere(
         model, optimizer, example_batch, loss_fn, world, request, own_error
     )
-    wrapping = start(model, decision.block_names, world, decision.plan.mixed_precision)
+    wrapping = start(
+        model, decision.block_names, world, decision.plan.mixed_precision, decision.find_unused
+    )
     result = prove(
         wrapping,
         optimizer,
@@ -177,6 +179,7 @@ class _Decision:
     rungs: list[Candidate]  # every rung the trial may fall back to
     block_names: list[str]
     memory_limit: int | None
+    find_unused: bool  # some trainable parameters got no gradient on some rank's trace
 
 
 def _decide_everywhere(
@@ -208,6 +211,14 @@ def _decide_everywhere(
     _raise_rank_errors(reports, world, own_error)
     assert request is not None and measured is not None  # else _raise_rank_errors raised
     usable, usable_reason = usable_memory(reports, request.memory_limit)
+    unused = sorted(
+        {n for r in reports if r.measured.profile for n in r.measured.profile.unused_parameters}
+    )
+    if unused:
+        reasons.append(
+            f"{len(unused)} trainable parameter(s) got no gradient in the traced step (e.g. "
+            f"'{unused[0]}'): under DDP, find_unused_parameters=True"
+        )
     inputs = plan_inputs(
         model,
         optimizer,
@@ -227,7 +238,7 @@ def _decide_everywhere(
     chosen = (plan.strategy, plan.activation_checkpointing)
     first = next(c for c in plan.candidates if (c.strategy, c.activation_checkpointing) == chosen)
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    return _Decision(plan, first, rungs, names, request.memory_limit)
+    return _Decision(plan, first, rungs, names, request.memory_limit, bool(unused))
 
 
 def plan(

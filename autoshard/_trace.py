@@ -44,6 +44,8 @@ class ActivationProfile:
         block_forward_flops: forward FLOPs of each block.
         total_forward_flops: forward FLOPs of the whole model and loss.
         compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
+        unused_parameters: trainable parameters that got no gradient in the traced step (DDP
+            must then look for them every step: find_unused_parameters).
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -54,6 +56,7 @@ class ActivationProfile:
     block_forward_flops: tuple[int, ...]
     total_forward_flops: int
     compute_dtype: torch.dtype
+    unused_parameters: tuple[str, ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:
@@ -168,6 +171,11 @@ def profile_step(
         block_forward_flops=tuple(block_flops),
         total_forward_flops=forward_flops,
         compute_dtype=autocast_dtype or _param_dtype(model),
+        unused_parameters=tuple(
+            name
+            for name, param in model.named_parameters()
+            if param.requires_grad and state[name].grad is None
+        ),
     )
 
 

@@ -269,7 +269,7 @@ def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool
         # The reducer of an aborted backward expects that backward to finish: start a fresh one.
         wrapping.ddp = None
         gc.collect()
-        wrapping.ddp = ddp(wrapping.module, wrapping.world)
+        wrapping.ddp = ddp(wrapping)
     gc.collect()
     if wrapping.world.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -384,7 +384,7 @@ def _drop_trial_hooks(wrapping: Wrapping) -> None:
     if wrapping.ddp is not None:
         wrapping.ddp = None
         gc.collect()  # the old reducer must be gone before a new one hooks the same parameters
-        wrapping.ddp = ddp(wrapping.module, wrapping.world)
+        wrapping.ddp = ddp(wrapping)
     from autoshard._apply import grad_scaler
 
     wrapping.scaler = grad_scaler(wrapping)

@@ -348,3 +348,10 @@ def test_ranks_stay_in_step_after_errors(decide: Launch) -> None:
         assert r["strategy"] == "full_shard"
         assert r["all_reduce"] == 3.0
     assert_close(mean_losses(ranks), ranks[0]["reference_losses"], RTOL_FP32)
+
+
+def test_ddp_finds_parameters_that_get_no_gradient(decide: Launch) -> None:
+    for r in decide.case("ddp_with_parameters_that_get_no_gradient"):
+        assert r["find_unused_parameters"] is True, r
+        assert len(r["reasons"]) == 1 and "'unused." in r["reasons"][0], r
+        assert r["losses"][-1] < r["losses"][0], r  # trains past the second step

@@ -191,6 +191,45 @@ def still_in_step_after_errors() -> dict[str, Any]:
     }
 
 
+class _WithUnusedHead(nn.Module):
+    """A model whose `unused` layer never takes part in forward (like a pooler left idle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.unused = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@cases.case
+def ddp_with_parameters_that_get_no_gradient() -> dict[str, Any]:
+    """Plain DDP fails on the second step when a parameter gets no gradient; the trace finds
+    such parameters and DDP is built with find_unused_parameters."""
+    torch.manual_seed(0)
+    model = _WithUnusedHead()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.randn(8, WIDTH)
+    wrapped, optimizer, plan = autoshard.prepare(
+        model, optimizer, batch, strategy="ddp", mixed_precision="no"
+    )
+    losses = []
+    for _ in range(3):  # the trial already ran two steps; three more of the user's own
+        loss = wrapped(batch).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {
+        "find_unused_parameters": bool(wrapped.find_unused_parameters),
+        "reasons": [r for r in plan.reasons if "no gradient" in r],
+        "losses": losses,
+    }
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     cases.main()
