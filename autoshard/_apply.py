@@ -1,11 +1,12 @@
 """The only code that wraps modules. Applied in a fixed order, as torchtitan does:
 
-1. move the model to the training device;
-2. activation checkpointing on the first k blocks (composable `checkpoint`: hooks, no change to
+1. activation checkpointing on the first k blocks (composable `checkpoint`: hooks, no change to
    the module tree or parameter names, and more blocks can be checkpointed later in place);
-3. one of: FSDP2 `fully_shard` per block, then the root | DDP | nothing (one process);
-   mixed precision is FSDP2's `MixedPrecisionPolicy` under FSDP, autocast otherwise;
-4. re-bind the optimizer, in place, to the parameters as they now are.
+2. one of: FSDP2 `fully_shard` per block, then the root (each call moves only that unit to the
+   device, so the unsharded model never sits on the GPU whole) | the model moved to the device,
+   then DDP or nothing (one process); mixed precision is FSDP2's `MixedPrecisionPolicy` under
+   FSDP, autocast hooks otherwise;
+3. re-bind the optimizer, in place, to the parameters as they now are.
 
 `Wrapping` keeps what has been applied so that the trial step can move to a more frugal rung
 without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in place with
@@ -14,7 +15,6 @@ without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in pl
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class Wrapping:
     checkpointed: int = 0
     ddp: nn.Module | None = None
     scaler: Any = None
+    autocast: list[Any] = field(default_factory=list)  # hook handles
     find_unused: bool = False  # some parameters get no gradient (from the trace)
     notes: list[str] = field(default_factory=list)
 
@@ -60,7 +61,6 @@ def start(
     find_unused: bool,
 ) -> Wrapping:
     names = parameter_names(module)
-    module.to(world.device)
     return Wrapping(module, block_names, world, mixed_precision, names, find_unused=find_unused)
 
 
@@ -71,6 +71,8 @@ def apply(
     more checkpointed blocks, and DDP -> SHARD_GRAD_OP -> FULL_SHARD."""
     checkpoint_blocks(wrapping, checkpointed)
     if wrapping.strategy == strategy:
+        if strategy == Strategy.DDP and wrapping.ddp is None:  # dropped after a failed attempt
+            wrapping.ddp = ddp(wrapping)
         return
     dtype = DTYPES[wrapping.mixed_precision]
     if wrapping.strategy == Strategy.SHARD_GRAD_OP and strategy == Strategy.FULL_SHARD:
@@ -80,8 +82,9 @@ def apply(
         _unwrap_ddp(wrapping)
         _fully_shard(wrapping, strategy, dtype)
     else:
-        if dtype is not None:
-            autocast_forward(wrapping.module, wrapping.world.device.type, dtype)
+        wrapping.module.to(wrapping.world.device)
+        if dtype is not None and not wrapping.autocast:
+            wrapping.autocast = autocast_hooks(wrapping.module, wrapping.world.device.type, dtype)
         if strategy == Strategy.DDP:
             wrapping.ddp = ddp(wrapping)
     wrapping.strategy = strategy
@@ -99,29 +102,34 @@ def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
     wrapping.checkpointed = max(wrapping.checkpointed, count)
 
 
-def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run `module.forward` under autocast and return floating outputs in fp32 (as accelerate
-    does), so a loss computed outside the model keeps full precision."""
-    forward = module.forward
+class _Autocast:
+    """Forward hooks that run a module under autocast and return floating outputs in fp32 (as
+    accelerate does), so a loss computed outside the model keeps full precision. Hooks rather
+    than a patched `forward`: the module still deep-copies (EMA, eval copies) and pickles."""
 
-    @functools.wraps(forward)
-    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            output = forward(*args, **kwargs)
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self.active: list[Any] = []  # one context per forward in flight (re-entrant calls)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        context = torch.autocast(self.device_type, dtype=self.dtype)
+        context.__enter__()
+        self.active.append(context)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self.active.pop().__exit__(None, None, None)
         return tree_map(_to_fp32, output)
 
-    autocast_forward._autoshard_replaced = module.__dict__.get("forward")  # type: ignore[attr-defined]
-    module.forward = autocast_forward  # type: ignore[method-assign]
 
-
-def _remove_autocast(module: nn.Module) -> None:
-    forward = module.__dict__.get("forward")
-    if forward is None or not hasattr(forward, "_autoshard_replaced"):
-        return
-    if forward._autoshard_replaced is None:
-        del module.forward
-    else:
-        module.forward = forward._autoshard_replaced  # type: ignore[method-assign]
+def autocast_hooks(module: nn.Module, device_type: str, dtype: torch.dtype) -> list[Any]:
+    """Run `module` under autocast; returns the hook handles that undo it."""
+    hooks = _Autocast(device_type, dtype)
+    return [
+        module.register_forward_pre_hook(hooks.enter, prepend=True),
+        # always_call: the context is left even when forward raises (an OOM in the trial step)
+        module.register_forward_hook(hooks.leave, always_call=True),
+    ]
 
 
 def _to_fp32(x: Any) -> Any:
@@ -148,7 +156,9 @@ def ddp(wrapping: Wrapping) -> nn.Module:
 def _unwrap_ddp(wrapping: Wrapping) -> None:
     """Drop the DDP wrapper (its reducer and hooks go with it) and the autocast forward."""
     wrapping.ddp = None
-    _remove_autocast(wrapping.module)
+    for handle in wrapping.autocast:
+        handle.remove()
+    wrapping.autocast = []
     for param in wrapping.module.parameters():
         param.grad = None  # bucket views would keep DDP's buckets alive
 
@@ -158,7 +168,7 @@ def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | No
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     module, world = wrapping.module, wrapping.world
-    _sync_from_rank0(module)
+    _sync_from_rank0(module, world.device)
     # An explicit mesh: without it FSDP2 may pick CUDA on a CPU/gloo job (DESIGN.md section 3).
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = strategy == Strategy.FULL_SHARD
@@ -175,12 +185,20 @@ def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | No
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer)
 
 
-def _sync_from_rank0(module: nn.Module) -> None:
+def _sync_from_rank0(module: nn.Module, device: torch.device) -> None:
     """Broadcast parameters and buffers from rank 0 before sharding, as DDP does on construction:
-    FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture."""
+    FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture.
+    NCCL moves only CUDA tensors: a tensor still on the host goes through a device copy, one at a
+    time, so the whole model is never on the device at once."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            if device.type == "cpu" or tensor.device == device:
+                dist.broadcast(tensor.data, src=0)
+                continue
+            staged = tensor.data.to(device)
+            dist.broadcast(staged, src=0)
+            tensor.data.copy_(staged)
+            del staged
 
 
 def grad_scaler(wrapping: Wrapping) -> Any:

@@ -31,7 +31,17 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
     """`loss_fn(output, batch)` when given, else `output.loss` (or `output["loss"]`), else the
     output summed in fp32, which exercises the same memory as a real loss of that output."""
     if loss_fn is not None:
-        return loss_fn(output, batch)
+        loss = loss_fn(output, batch)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"loss_fn(output, batch) must return a scalar tensor, got {type(loss).__name__}"
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn(output, batch) must return a scalar tensor, got shape "
+                f"{tuple(loss.shape)}; reduce it (e.g. .mean())"
+            )
+        return loss
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")

@@ -38,6 +38,8 @@ class ModelStats:
         optimizer_bytes: optimizer state after its first step (`_optim.optimizer_state_bytes`).
         optimizer_reason: how optimizer_bytes was counted.
         input_bytes: bytes of the example batch.
+        step_temporaries: the optimizer step materialises parameter-sized intermediates
+            (`_optim.step_temporaries`).
     """
 
     param_bytes: int
@@ -47,6 +49,7 @@ class ModelStats:
     optimizer_bytes: int
     optimizer_reason: str
     input_bytes: int
+    step_temporaries: bool = True
 
     @property
     def root_numel(self) -> int:
@@ -55,7 +58,12 @@ class ModelStats:
 
 
 def model_stats(
-    model: nn.Module, blocks: list[nn.Module], optimizer_bytes: int, reason: str, input_bytes: int
+    model: nn.Module,
+    blocks: list[nn.Module],
+    optimizer_bytes: int,
+    reason: str,
+    input_bytes: int,
+    step_temporaries: bool = True,
 ) -> ModelStats:
     params = list(model.parameters())
     return ModelStats(
@@ -68,6 +76,7 @@ def model_stats(
         optimizer_bytes=optimizer_bytes,
         optimizer_reason=reason,
         input_bytes=input_bytes,
+        step_temporaries=step_temporaries,
     )
 
 
@@ -133,7 +142,7 @@ def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     )
     # foreach optimizers materialise about one parameter-sized list of intermediates at the step
     # (e.g. Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`).
-    step_temp = grads if stats.optimizer_bytes else 0
+    step_temp = grads if stats.step_temporaries and stats.optimizer_bytes else 0
     step = (params, grads, optimizer_state, 0, 0, step_temp)
     terms = max(backward, step, key=sum)
     overheads = int(ALLOCATOR_MARGIN * sum(terms))
@@ -149,12 +158,12 @@ def _grads_in_backward(stats: ModelStats, s: Setting, grads: int) -> int:
     DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view=True), which
     exist from construction on: all of them. Without a wrapper, gradients appear block by block
     as activations are freed: about the largest unit's worth coexists with all activations.
-    Under FSDP2 the unsharded gradients in flight are in comm_buffers (reduce-scatter input).
+    Under FSDP2 the unsharded gradients in flight are in comm_buffers (reduce-scatter input);
+    the sharded ones accumulate as backward goes, next to those buffers: all of them are
+    counted (an upper bound: with a small batch the end of backward is the peak).
     """
-    if s.strategy == Strategy.DDP:
+    if s.strategy == Strategy.DDP or s.strategy.sharded:
         return grads
-    if s.strategy.sharded:
-        return 0
     largest_unit = max(max(stats.block_numel, default=0), stats.root_numel)
     return min(grads, largest_unit * s.param_element_bytes)
 

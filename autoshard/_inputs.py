@@ -12,7 +12,7 @@ from torch import nn
 from autoshard._apply import DTYPES
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
-from autoshard._optim import optimizer_state_bytes
+from autoshard._optim import optimizer_state_bytes, step_temporaries
 from autoshard._plan import PlanInputs, hardware_for, strategies_for
 from autoshard._trace import ActivationProfile, profile_step
 from autoshard._units import human
@@ -26,6 +26,7 @@ class Measured:
 
     profile: ActivationProfile | None
     trace_note: str
+    user_error: str | None = None  # the batch or loss_fn does not fit the model
 
 
 def resolve_mixed_precision(
@@ -60,18 +61,23 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Bytes of the model's parameters and buffers and the optimizer's state on `device`."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device == device
+    )
+
+
 def with_resident(
     memory: Memory, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> Memory:
     """Free memory plus what the model and optimizer already hold on the training device: the
     estimate counts those bytes, so they must not also be missing from what is free."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [v for state in optimizer.state.values() for v in state.values()]
-    held = sum(
-        t.numel() * t.element_size()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.device == device
-    )
+    held = held_bytes(model, optimizer, device)
     if held == 0:
         return memory
     source = f"{memory.source} + {human(held)} the model and optimizer already hold there"
@@ -91,6 +97,15 @@ def measure(
         )
     try:
         profile = profile_step(model, blocks, batch, loss_fn, dtype)
+    except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
+        return Measured(
+            None,
+            "",
+            f"the example batch could not be run through the model and loss "
+            f"({type(error).__name__}: {error}); check that example_batch is what the model "
+            f"takes (a Mapping as keyword arguments, a tuple/list as positional ones, a tensor "
+            f"as the only one) and that loss_fn(output, batch) returns a scalar",
+        )
     except Exception as error:  # data-dependent control flow and the like cannot be traced
         return Measured(
             None,
@@ -129,7 +144,12 @@ def plan_inputs(
 ) -> PlanInputs:
     opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
     stats = model_stats(
-        model, blocks, opt_bytes, opt_reason, batch_bytes(batch) if batch is not None else 0
+        model,
+        blocks,
+        opt_bytes,
+        opt_reason,
+        batch_bytes(batch) if batch is not None else 0,
+        step_temporaries(optimizer),
     )
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4

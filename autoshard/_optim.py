@@ -37,6 +37,24 @@ _STATES_PER_PARAM = {
     "RMSprop": _rmsprop,
 }
 _ASSUMED_STATES = 2
+# Scalar state per parameter, in bytes: `step` (fp32) for most; NAdam adds `mu_product`, ASGD keeps
+# `eta` and `mu`; SGD keeps none.
+_SCALAR_BYTES = {"SGD": 0, "NAdam": 8, "ASGD": 12}
+# Optimizers whose foreach update materialises a parameter-sized list of intermediates (Adam's
+# sqrt(exp_avg_sq), Adagrad's and RMSprop's sqrt of their running sums). SGD updates in place.
+_IN_PLACE = {"SGD"}
+
+
+def _known(optimizer: torch.optim.Optimizer) -> str | None:
+    """The nearest optimizer class in the MRO whose state is known (a subclass of Adam is Adam)."""
+    return next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _STATES_PER_PARAM), None
+    )
+
+
+def step_temporaries(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer step allocates intermediates the size of the parameters."""
+    return _known(optimizer) not in _IN_PLACE
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
@@ -46,16 +64,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     is per-parameter-size x states; sharding divides it by the world size.
     """
     name = type(optimizer).__name__
-    known = next(
-        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _STATES_PER_PARAM), None
-    )
+    known = _known(optimizer)
     rule = _STATES_PER_PARAM[known] if known is not None else None
+    scalars = _SCALAR_BYTES.get(known or "", 4)
     total = 0
     for group in optimizer.param_groups:
         states = rule(group) if rule is not None else _ASSUMED_STATES
         for param in group["params"]:
             if param.requires_grad:
-                total += states * param.numel() * param.element_size() + 4
+                total += states * param.numel() * param.element_size() + scalars
     if rule is None:
         return total, f"{name}: unknown optimizer, assumed {_ASSUMED_STATES} states per parameter"
     counts = sorted({rule(g) for g in optimizer.param_groups})

@@ -60,11 +60,23 @@ class Prepared(_PreparedFields):
         return self
 
 
-def _fingerprint(model: nn.Module, request: Request) -> tuple[Any, ...]:
+def _fingerprint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, request: Request
+) -> tuple[Any, ...]:
+    """Everything that decides which collectives a rank will run: ranks that differ in any of it
+    would wait for each other forever, so they must be refused together instead."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
-    return (("model", digest.hexdigest()[:16]), ("request", request), ("torch", torch.__version__))
+    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
+    return (
+        ("model", digest.hexdigest()[:16]),
+        ("optimizer", (type(optimizer).__name__, groups)),
+        ("optimizer state", len(optimizer.state)),  # resumed on some ranks only?
+        ("example_batch", batch is None),
+        ("request", request),
+        ("torch", torch.__version__),
+    )
 
 
 def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception | None) -> None:
@@ -81,7 +93,9 @@ def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception |
         fields = [name for (name, a), (_, b) in zip(reference, other, strict=True) if a != b]
         raise ValueError(
             f"ranks disagree with rank 0 on {', '.join(fields)} (ranks {differing}): every rank "
-            f"must build the same model and call prepare() with the same arguments"
+            f"must call prepare() with the same model, the same optimizer (state included: resume "
+            f"it on every rank or none), an example_batch on every rank or none, and the same "
+            f"arguments"
         )
 
 
@@ -201,10 +215,14 @@ def _decide_everywhere(
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
         reasons += [mp_reason, blocks_reason(model, names)]
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+        if measured.user_error is not None:
+            own_error = ValueError(measured.user_error)
     reports = agree(
         world,
         with_resident(local_memory(world), model, optimizer, world.device),
-        _fingerprint(model, request) if request is not None else (),
+        _fingerprint(model, optimizer, example_batch, request)
+        if request is not None and own_error is None
+        else (),
         None if own_error is None else str(own_error),
         measured,
     )
@@ -290,6 +308,8 @@ def plan(
     blocks = [model.get_submodule(n) for n in names]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
     measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+    if measured.user_error is not None:
+        raise ValueError(measured.user_error)
     report = RankReport(0, "planner", memory, (), None, measured)
     usable, usable_reason = usable_memory([report], request.memory_limit)
     inputs = plan_inputs(

@@ -30,6 +30,7 @@ from autoshard._agree import (
 )
 from autoshard._apply import Wrapping, apply, ddp
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
+from autoshard._inputs import held_bytes
 from autoshard._plan import Attempt, Candidate
 from autoshard._units import human
 
@@ -180,11 +181,16 @@ def _peak_meter(
     MemTracker sees (it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
     device = wrapping.world.device
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        # Only what this training holds counts: other tensors of the process (a teacher model, a
+        # cached dataset) were already missing from the free memory the plan was fitted to.
+        unrelated = torch.cuda.memory_allocated(device) - held_bytes(
+            wrapping.module, optimizer, device
+        )
+        torch.cuda.reset_peak_memory_stats(device)  # note: resets the caller's peak statistics
         try:
             yield lambda: None
         finally:
-            box[0] = torch.cuda.max_memory_allocated(device)
+            box[0] = torch.cuda.max_memory_allocated(device) - max(unrelated, 0)
         return
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -206,11 +212,13 @@ def _memory_cap(wrapping: Wrapping, limit: int | None) -> Iterator[None]:
         yield
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = getter(device) if getter is not None else 1.0  # the caller's own cap, if any
+    torch.cuda.set_per_process_memory_fraction(min(previous, limit / total), device)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(previous, device)
 
 
 def attempt(
@@ -257,22 +265,30 @@ def attempt(
     return Outcome([c for c, _ in rows], peak, kept, seconds)
 
 
-def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool) -> None:
+def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool) -> str | None:
     """Free what an aborted step left behind, outside any except block (a live traceback would
-    keep the step's tensors alive)."""
+    keep the step's tensors alive). Returns why training cannot go on in place, if it cannot."""
     optimizer.zero_grad(set_to_none=True)
+    problem = None
     if failed and wrapping.strategy is not None and wrapping.strategy.sharded:
         reset = getattr(wrapping.module, "reset_iter_state", None)
         if reset is not None:
             reset()
+        else:  # FSDP2's state after an aborted step cannot be trusted (it crashed or hung)
+            problem = (
+                f"the trial step ran out of memory under {wrapping.strategy}, and this torch "
+                f"({torch.__version__}) has no FSDPModule.reset_iter_state to recover FSDP2 "
+                f"from it; use a torch that has it, or choose a memory_limit/strategy that fits "
+                f"(plan() shows the estimates)"
+            )
     if failed and wrapping.ddp is not None:
-        # The reducer of an aborted backward expects that backward to finish: start a fresh one.
+        # The reducer of an aborted backward expects that backward to finish: drop it; the next
+        # rung builds a fresh one if it is DDP again (apply), none if it shards.
         wrapping.ddp = None
-        gc.collect()
-        wrapping.ddp = ddp(wrapping)
     gc.collect()
     if wrapping.world.device.type == "cuda":
         torch.cuda.empty_cache()
+    return problem
 
 
 _ESCALATION = {"local": 0, "ddp": 0, "shard_grad_op": 1, "full_shard": 2}
@@ -356,7 +372,7 @@ def prove(
         snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
         outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
         failed = any(outcome.codes)
-        _clean_up(wrapping, optimizer, failed)
+        problem = _clean_up(wrapping, optimizer, failed)
         restore(snapshot, wrapping.module, optimizer, wrapping.world.device)
         del snapshot
         if ERROR in outcome.codes:
@@ -366,6 +382,8 @@ def prove(
             attempts.append(Attempt(*label, f"fit ({outcome.seconds:.2f}s)", outcome.peak))
             _drop_trial_hooks(wrapping)
             return TrialResult(current, tuple(attempts), outcome.peak, tuple(wrapping.notes))
+        if problem is not None:  # the same on every rank: all raise it
+            raise RuntimeError(problem)
         ranks = [r for r, c in enumerate(outcome.codes) if c == OOM]
         attempts.append(Attempt(*label, f"out of memory on rank(s) {ranks}", outcome.peak))
         tried.add((current.strategy.value, current.activation_checkpointing))

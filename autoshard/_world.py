@@ -53,7 +53,6 @@ def resolve(*, init: bool) -> World:
     reasons: list[str] = []
     if not dist.is_initialized() and init and launched_by_torchrun():
         reasons.append(_init_process_group())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         device = (
             torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
@@ -65,11 +64,19 @@ def resolve(*, init: bool) -> World:
         return World(0, 0, 1, 1, None, device, False, tuple(reasons))
     backend = str(dist.get_backend())
     on_gpu = _cuda() and "nccl" in backend
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if on_gpu:
+    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    if on_gpu and local_rank >= 0:
         # NCCL's object collectives use the current device: it must be this rank's, also when
         # the caller initialised the process group without setting it.
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    elif on_gpu:  # no launcher told us (mp.spawn, srun): the device the caller set is the one
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        if _cuda():
+            reasons.append(f"the process group's backend is {backend}: training on the CPU")
+    local_rank = max(local_rank, 0)
     world_size = dist.get_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     return World(

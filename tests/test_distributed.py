@@ -355,3 +355,18 @@ def test_ddp_finds_parameters_that_get_no_gradient(decide: Launch) -> None:
         assert r["find_unused_parameters"] is True, r
         assert len(r["reasons"]) == 1 and "'unused." in r["reasons"][0], r
         assert r["losses"][-1] < r["losses"][0], r  # trains past the second step
+
+
+@pytest.mark.parametrize(
+    ("case", "field"),
+    [
+        ("optimizer_state_on_rank0_only", "optimizer state"),
+        ("example_batch_on_rank0_only", "example_batch"),
+    ],
+)
+def test_ranks_that_would_run_different_collectives_are_refused_together(
+    decide: Launch, case: str, field: str
+) -> None:
+    for r in decide.case(case):
+        assert r["raised"] and r["type"] == "ValueError", r
+        assert "disagree" in r["message"] and field in r["message"], r

@@ -207,7 +207,8 @@ def hand_phases(
     if strategy == Strategy.DDP:
         grads_in_backward = grads_all  # bucket views: all of them exist from construction
     elif strategy in SHARDED:
-        grads_in_backward = 0  # the unsharded grads in flight are in comm
+        # the sharded grads accumulate next to the reduce-scatter buffers in comm: all counted
+        grads_in_backward = grads_all
     else:
         # LOCAL: grads appear unit by unit; the largest unit's worth (fp32) sits next to all the
         # activations, never more than all the grads
@@ -302,7 +303,8 @@ def test_the_phase_that_peaks(
     else:
         assert sum(backward) > sum(step)
         assert terms_of(fp) == backward
-        assert fp.grads == 0  # FSDP: the grads in flight are counted in comm_buffers
+        # FSDP: the sharded grads, accumulating next to the reduce-scatter buffers in comm
+        assert fp.grads == ceil_div(stats.trainable_bytes, world_size)
 
 
 @pytest.mark.parametrize(("name", "world_size", "strategy"), CASES)
@@ -676,3 +678,24 @@ def test_uneven_profile_by_hand(
     assert profile.before_saved_bytes == 0
     assert profile.after_saved_bytes == x  # the head's input
     assert profile.largest_saved_bytes == BATCH * 128 * FP32  # the middle block's hidden
+
+
+def test_sgd_step_allocates_no_temporaries() -> None:
+    # SGD's foreach update is in place (momentum buffers and parameters): no parameter-sized
+    # intermediates at the step, unlike Adam's sqrt(exp_avg_sq).
+    mib = 2**20
+    base = dict(
+        param_bytes=100 * mib,
+        trainable_bytes=100 * mib,
+        floating_numel=25 * mib,
+        block_numel=(),
+        optimizer_bytes=100 * mib,  # SGD with momentum: one buffer
+        optimizer_reason="SGD: 1 state(s) per parameter",
+        input_bytes=0,
+    )
+    s = setting(Strategy.LOCAL, 1)
+    sgd = estimate(ModelStats(**base, step_temporaries=False), None, s)
+    adam_like = estimate(ModelStats(**base, step_temporaries=True), None, s)
+    assert sgd.temporaries == 0
+    assert adam_like.temporaries == 100 * mib  # one grad-sized list of intermediates
+    assert sgd.peak < adam_like.peak

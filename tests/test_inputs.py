@@ -58,3 +58,49 @@ def test_memory_the_model_already_holds_counts_as_usable() -> None:
     assert "already hold" in memory.source
     meta = _inputs.with_resident(Memory(1000, 5000, "test"), model, optimizer, torch.device("meta"))
     assert meta.free_bytes == 1000  # nothing held on another device
+
+
+@pytest.mark.parametrize(
+    ("batch", "loss_fn", "message"),
+    [
+        ({"x": torch.randn(2, 4)}, None, "unexpected keyword argument"),  # wrong batch convention
+        (torch.randn(2, 4), lambda out, b: "loss", "must return a scalar tensor, got str"),
+        (torch.randn(2, 4), lambda out, b: out, "got shape (2, 2)"),  # not reduced
+    ],
+)
+def test_a_batch_or_loss_fn_that_does_not_fit_the_model_is_refused_before_any_change(
+    batch: object, loss_fn: object, message: str
+) -> None:
+    import autoshard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="could not be run through the model") as info:
+        autoshard.prepare(model, optimizer, batch, loss_fn=loss_fn)  # type: ignore[arg-type]
+    assert message in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not model._forward_hooks and not model._forward_pre_hooks and not optimizer.state
+
+
+def test_a_prepared_bf16_model_deep_copies_and_pickles() -> None:
+    # Autocast is applied as removable hooks, not a patched `forward`: a copy (EMA, eval) runs
+    # its own weights, and the module pickles.
+    import copy
+    import io
+
+    import autoshard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 4)
+    prepared, _, plan = autoshard.prepare(model, optimizer, x, mixed_precision="bf16")
+    assert plan.mixed_precision == "bf16"
+    assert prepared(x).dtype == torch.float32  # outputs come back in fp32
+    copied = copy.deepcopy(prepared)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.zero_()
+    assert torch.all(copied(x) == 0)
+    assert not torch.all(prepared(x) == 0)
+    torch.save(prepared, io.BytesIO())

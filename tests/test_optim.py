@@ -104,17 +104,13 @@ def test_sgd_with_momentum_one_state() -> None:
     params = trainable(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     total, reason = optimizer_state_bytes(optimizer)
-    expected = (
-        1 * numel(params) * FP32  # momentum_buffer, fp32
-        + STEP * len(params)  # the library's step allowance (SGD keeps no step: see below)
-    )
+    expected = 1 * numel(params) * FP32  # momentum_buffer, fp32; SGD keeps no `step`
     assert total == expected
     assert reason == "SGD: 1 state(s) per parameter"
     step_once(model, optimizer)
     full, scalar = real_state_bytes(optimizer)
     assert full == numel(params) * FP32
-    # Difference: SGD keeps no `step`, so the estimate is STEP * len(params) bytes high.
-    assert scalar == 0
+    assert scalar == 0  # no step: the estimate and the real state agree exactly
 
 
 def test_sgd_without_momentum_no_state() -> None:
@@ -122,12 +118,11 @@ def test_sgd_without_momentum_no_state() -> None:
     params = trainable(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     total, reason = optimizer_state_bytes(optimizer)
-    expected = 0 * numel(params) * FP32 + STEP * len(params)  # no buffers; the step allowance
+    expected = 0 * numel(params) * FP32  # no buffers and no step
     assert total == expected
     assert reason == "SGD: 0 state(s) per parameter"
     step_once(model, optimizer)
-    # Plain SGD allocates nothing; the estimate is STEP * len(params) bytes high (see above).
-    assert real_state_bytes(optimizer) == (0, 0)
+    assert real_state_bytes(optimizer) == (0, 0)  # plain SGD allocates nothing
 
 
 def test_adagrad_one_state() -> None:
@@ -193,15 +188,14 @@ def test_other_known_optimizers(
     total, reason = optimizer_state_bytes(optimizer)
     expected = (
         states * numel(params) * FP32  # full-size buffers, fp32
-        + STEP * len(params)  # step allowance per param
+        + real_scalar_per_param * len(params)  # scalar state per param (see OTHERS)
     )
     assert total == expected
     assert reason == f"{factory.__name__}: {states} state(s) per parameter"
     step_once(model, optimizer)
     full, scalar = real_state_bytes(optimizer)
     assert full == states * numel(params) * FP32
-    # Scalars: the 4-byte allowance under-counts NAdam (8 B) and ASGD (12 B) per parameter.
-    assert scalar == real_scalar_per_param * len(params)
+    assert scalar == real_scalar_per_param * len(params)  # the estimate matches reality
 
 
 def test_frozen_parameters_are_excluded() -> None:
@@ -257,8 +251,7 @@ def test_sgd_groups_with_and_without_momentum() -> None:
     total, reason = optimizer_state_bytes(optimizer)
     expected = (
         1 * numel(first) * FP32  # group 0: momentum_buffer
-        + 0 * numel(last) * FP32  # group 1: no buffer
-        + STEP * (len(first) + len(last))  # step allowance per param
+        + 0 * numel(last) * FP32  # group 1: no buffer; SGD keeps no step in either
     )
     assert total == expected
     assert reason == "SGD: 0/1 state(s) per parameter"

@@ -191,6 +191,25 @@ def still_in_step_after_errors() -> dict[str, Any]:
     }
 
 
+@cases.case
+def optimizer_state_on_rank0_only() -> dict[str, Any]:
+    """Rank 0 resumed its optimizer, rank 1 did not: the trial would run a different number of
+    steps on each and state re-keying would scatter on one only; both must refuse instead."""
+    model, optimizer = build(WIDTH, DEPTH)
+    batch = local_batches(1)[0]
+    if rank() == 0:
+        train(model, optimizer, [batch])  # one plain step: AdamW now holds state
+    return error_of(lambda: autoshard.prepare(model, optimizer, batch, strategy="full_shard"))
+
+
+@cases.case
+def example_batch_on_rank0_only() -> dict[str, Any]:
+    """Rank 1 passes no example_batch: it would skip the trial the others run."""
+    model, optimizer = build(WIDTH, DEPTH)
+    batch = local_batches(1)[0] if rank() == 0 else None
+    return error_of(lambda: autoshard.prepare(model, optimizer, batch, strategy="ddp"))
+
+
 class _WithUnusedHead(nn.Module):
     """A model whose `unused` layer never takes part in forward (like a pooler left idle)."""
 
