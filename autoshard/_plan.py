@@ -36,8 +36,11 @@ def hardware_for(
 ) -> Hardware:
     """Round figures for the device class: about half the datasheet peak, as training sustains."""
     if device_type != "cuda":
-        # gloo over loopback/TCP; a CPU core sustains tens of GFLOP/s in fp32 matmul.
-        return Hardware(5e10, 2e9, 1e9, 1e10, 1e-4)
+        # gloo over loopback/TCP; a CPU core sustains tens of GFLOP/s in fp32 matmul. Each FSDP2
+        # collective costs about 4 ms on gloo with its copy-in/out and Python bookkeeping:
+        # (FSDP step - DDP step) / collectives was 4-5 ms for three models on 2 ranks of a 2-core
+        # CPU (benchmarks/RESULTS.md, 2026-11-22).
+        return Hardware(5e10, 2e9, 1e9, 1e10, 4e-3)
     major = capability[0] if capability else 8
     if major >= 9:  # Hopper: ~990 TFLOP/s dense bf16, ~67 fp32 (TF32 off by default in torch)
         flops = 4e14 if low_precision else 3e13
