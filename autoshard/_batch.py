@@ -31,7 +31,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
     """`loss_fn(output, batch)` when given, else `output.loss` (or `output["loss"]`), else the
     output summed in fp32, which exercises the same memory as a real loss of that output."""
     if loss_fn is not None:
-        loss = loss_fn(output, batch)
+        loss: Any = loss_fn(output, batch)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"loss_fn(output, batch) must return a scalar tensor, got {type(loss).__name__}"
@@ -42,7 +42,7 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
                 f"{tuple(loss.shape)}; reduce it (e.g. .mean())"
             )
         return loss
-    loss = getattr(output, "loss", None)
+    loss = getattr(output, "loss", None)  # Hugging Face ModelOutput
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):

@@ -38,8 +38,8 @@ class ModelStats:
         optimizer_bytes: optimizer state after its first step (`_optim.optimizer_state_bytes`).
         optimizer_reason: how optimizer_bytes was counted.
         input_bytes: bytes of the example batch.
-        step_temporaries: the optimizer step materialises parameter-sized intermediates
-            (`_optim.step_temporaries`).
+        step_temporary_bytes: intermediates the optimizer step holds at once, unsharded
+            (`_optim.step_temporary_bytes`); None: assumed as large as all gradients.
     """
 
     param_bytes: int
@@ -49,7 +49,7 @@ class ModelStats:
     optimizer_bytes: int
     optimizer_reason: str
     input_bytes: int
-    step_temporaries: bool = True
+    step_temporary_bytes: int | None = None
 
     @property
     def root_numel(self) -> int:
@@ -63,7 +63,7 @@ def model_stats(
     optimizer_bytes: int,
     reason: str,
     input_bytes: int,
-    step_temporaries: bool = True,
+    step_temporary_bytes: int | None = None,
 ) -> ModelStats:
     params = list(model.parameters())
     return ModelStats(
@@ -76,7 +76,7 @@ def model_stats(
         optimizer_bytes=optimizer_bytes,
         optimizer_reason=reason,
         input_bytes=input_bytes,
-        step_temporaries=step_temporaries,
+        step_temporary_bytes=step_temporary_bytes,
     )
 
 
@@ -140,9 +140,13 @@ def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         comm,
         backward_temp,
     )
-    # foreach optimizers materialise about one parameter-sized list of intermediates at the step
-    # (e.g. Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`).
-    step_temp = grads if stats.step_temporaries and stats.optimizer_bytes else 0
+    # A foreach optimizer materialises one parameter-sized list of intermediates at the step
+    # (Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`); a single-tensor step
+    # one parameter's worth (`_optim.step_temporary_bytes`).
+    if stats.step_temporary_bytes is None:
+        step_temp = grads if stats.optimizer_bytes else 0
+    else:
+        step_temp = -(-stats.step_temporary_bytes // n)
     step = (params, grads, optimizer_state, 0, 0, step_temp)
     terms = max(backward, step, key=sum)
     overheads = int(ALLOCATOR_MARGIN * sum(terms))

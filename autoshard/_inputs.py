@@ -12,7 +12,7 @@ from torch import nn
 from autoshard._apply import DTYPES
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
-from autoshard._optim import optimizer_state_bytes, step_temporaries
+from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import PlanInputs, hardware_for, strategies_for
 from autoshard._trace import ActivationProfile, profile_step
 from autoshard._units import human
@@ -149,7 +149,7 @@ def plan_inputs(
         opt_bytes,
         opt_reason,
         batch_bytes(batch) if batch is not None else 0,
-        step_temporaries(optimizer),
+        step_temporary_bytes(optimizer, device.type),
     )
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4

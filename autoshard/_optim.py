@@ -40,9 +40,12 @@ _ASSUMED_STATES = 2
 # Scalar state per parameter, in bytes: `step` (fp32) for most; NAdam adds `mu_product`, ASGD keeps
 # `eta` and `mu`; SGD keeps none.
 _SCALAR_BYTES = {"SGD": 0, "NAdam": 8, "ASGD": 12}
-# Optimizers whose foreach update materialises a parameter-sized list of intermediates (Adam's
-# sqrt(exp_avg_sq), Adagrad's and RMSprop's sqrt of their running sums). SGD updates in place.
+# SGD updates in place; the others compute intermediates (Adam's sqrt(exp_avg_sq), Adagrad's and
+# RMSprop's sqrt of their running sums).
 _IN_PLACE = {"SGD"}
+# Devices where torch's optimizers default to foreach kernels (torch.utils._foreach_utils
+# `_get_foreach_kernels_supported_devices`, used by `_default_to_fused_or_foreach`).
+_FOREACH_DEVICES = {"cuda", "xpu", "mtia"}
 
 
 def _known(optimizer: torch.optim.Optimizer) -> str | None:
@@ -52,9 +55,25 @@ def _known(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
-def step_temporaries(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer step allocates intermediates the size of the parameters."""
-    return _known(optimizer) not in _IN_PLACE
+def step_temporary_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """The most intermediate bytes the optimizer step holds at once, for unsharded parameters.
+
+    A foreach step (torch's default on CUDA) materialises one intermediate per parameter of a
+    group at once; the single-tensor step (the default elsewhere, e.g. CPU) one parameter's worth
+    at a time; a fused kernel and an in-place optimizer (SGD) none.
+    """
+    if _known(optimizer) in _IN_PLACE:
+        return 0
+    worst = 0
+    for group in optimizer.param_groups:
+        sizes = [p.numel() * p.element_size() for p in group["params"] if p.requires_grad]
+        if not sizes or group.get("fused"):
+            continue
+        foreach = group.get("foreach")
+        if foreach is None:
+            foreach = device_type in _FOREACH_DEVICES
+        worst = max(worst, sum(sizes) if foreach else max(sizes))
+    return worst
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:

@@ -680,22 +680,37 @@ def test_uneven_profile_by_hand(
     assert profile.largest_saved_bytes == BATCH * 128 * FP32  # the middle block's hidden
 
 
-def test_sgd_step_allocates_no_temporaries() -> None:
-    # SGD's foreach update is in place (momentum buffers and parameters): no parameter-sized
-    # intermediates at the step, unlike Adam's sqrt(exp_avg_sq).
+def test_step_temporaries_follow_the_optimizer_implementation() -> None:
+    # SGD's update is in place; a foreach Adam (the default on CUDA) holds one intermediate per
+    # parameter at once, a single-tensor Adam (the default on CPU) one parameter's worth.
+    from autoshard._optim import step_temporary_bytes
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    sizes = [p.numel() * 4 for p in model.parameters()]  # 4096, 64, 2048, 32 fp32 elements
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert step_temporary_bytes(sgd, "cuda") == 0
+    adam = torch.optim.Adam(model.parameters())
+    assert step_temporary_bytes(adam, "cuda") == sum(sizes)  # foreach by default
+    assert step_temporary_bytes(adam, "cpu") == max(sizes)  # single-tensor by default
+    assert step_temporary_bytes(torch.optim.Adam(model.parameters(), foreach=True), "cpu") == sum(
+        sizes
+    )
+    assert step_temporary_bytes(torch.optim.Adam(model.parameters(), fused=True), "cpu") == 0
+
     mib = 2**20
     base = dict(
         param_bytes=100 * mib,
         trainable_bytes=100 * mib,
         floating_numel=25 * mib,
         block_numel=(),
-        optimizer_bytes=100 * mib,  # SGD with momentum: one buffer
-        optimizer_reason="SGD: 1 state(s) per parameter",
+        optimizer_bytes=200 * mib,
+        optimizer_reason="Adam: 2 state(s) per parameter",
         input_bytes=0,
     )
     s = setting(Strategy.LOCAL, 1)
-    sgd = estimate(ModelStats(**base, step_temporaries=False), None, s)
-    adam_like = estimate(ModelStats(**base, step_temporaries=True), None, s)
-    assert sgd.temporaries == 0
-    assert adam_like.temporaries == 100 * mib  # one grad-sized list of intermediates
-    assert sgd.peak < adam_like.peak
+    assert estimate(ModelStats(**base, step_temporary_bytes=0), None, s).temporaries == 0
+    assert (
+        estimate(ModelStats(**base, step_temporary_bytes=5 * mib), None, s).temporaries == 5 * mib
+    )
+    # unknown: one gradient-sized list, as a foreach step holds
+    assert estimate(ModelStats(**base), None, s).temporaries == 100 * mib
