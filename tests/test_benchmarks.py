@@ -1,0 +1,129 @@
+"""Smoke test of benchmarks/compare.py: run it for real under torchrun (2 gloo ranks) on the
+smallest zoo model with two budgets and one timed step, and check the shape of its JSON. No
+figure is asserted: the numbers depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _dist import REPO, _kill_tree
+
+pytestmark = pytest.mark.dist
+
+STRATEGIES = {"ddp", "shard_grad_op", "full_shard", "auto"}
+BUDGETS = ["generous", "no_zero2"]
+# About 25 s on 2 cores; the limit turns a hang into a failure.
+TIMEOUT_S = 150
+
+RUN_FIELDS = {
+    "model",
+    "budget",
+    "budget_bytes",
+    "strategy",
+    "fits",
+    "oom_stage",
+    "samples_per_s",
+    "step_s",
+    "prepare_s",
+    "trial_s",
+    "prepare_overhead_s",
+    "plan",
+    "measured_peak_bytes",
+    "peak_bytes_per_rank",
+    "peak_bytes_max",
+}
+PLAN_FIELDS = {"strategy", "activation_checkpointing", "mixed_precision", "attempts"}
+DERIVED_FIELDS = {
+    "model",
+    "budget",
+    "best_manual",
+    "auto_plan",
+    "regret",
+    "auto_oom",
+    "auto_fell_back_in_trial",
+    "auto_prepare_s",
+    "auto_trial_s",
+    "auto_prepare_overhead_s",
+}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("compare")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "benchmarks" / "compare.py"),
+        "--models",
+        "gpt",
+        "--budgets",
+        ",".join(BUDGETS),
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        output, _ = proc.communicate()
+        pytest.fail(f"compare.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"compare.py exited with {proc.returncode}:\n{output[-4000:]}", pytrace=False)
+    data = json.loads((out / "compare.json").read_text())
+    data["stdout"] = output
+    return data
+
+
+def test_a_row_per_strategy_per_budget(result: dict) -> None:
+    runs = result["runs"]
+    seen = sorted((r["budget"], r["strategy"]) for r in runs)
+    assert seen == sorted((b, s) for b in BUDGETS for s in STRATEGIES)
+
+
+def test_every_run_has_every_field(result: dict) -> None:
+    for run in result["runs"]:
+        assert RUN_FIELDS <= run.keys(), RUN_FIELDS - run.keys()
+        assert isinstance(run["fits"], bool)
+        assert run["prepare_s"] > 0
+        if run["fits"]:
+            assert run["samples_per_s"] > 0 and run["step_s"] > 0
+            assert len(run["peak_bytes_per_rank"]) == 2
+            assert run["peak_bytes_max"] == max(run["peak_bytes_per_rank"])
+            assert PLAN_FIELDS <= run["plan"].keys()
+        else:
+            assert run["oom_stage"] in {"prepare", "steps", "over_budget"}
+
+
+def test_derived_per_grid_point(result: dict) -> None:
+    derived = result["derived"]
+    assert sorted(d["budget"] for d in derived) == sorted(BUDGETS)
+    for d in derived:
+        assert DERIVED_FIELDS <= d.keys(), DERIVED_FIELDS - d.keys()
+
+
+def test_stdout_has_the_tables(result: dict) -> None:
+    assert "| model | budget | strategy |" in result["stdout"]
+    assert "regret" in result["stdout"]
