@@ -168,7 +168,7 @@ def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | No
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     module, world = wrapping.module, wrapping.world
-    _sync_from_rank0(module, world.device)
+    sync_from_rank0(module, world.device)
     # An explicit mesh: without it FSDP2 may pick CUDA on a CPU/gloo job (DESIGN.md section 3).
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     reshard = strategy == Strategy.FULL_SHARD
@@ -185,7 +185,7 @@ def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | No
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer)
 
 
-def _sync_from_rank0(module: nn.Module, device: torch.device) -> None:
+def sync_from_rank0(module: nn.Module, device: torch.device) -> None:
     """Broadcast parameters and buffers from rank 0 before sharding, as DDP does on construction:
     FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture.
     NCCL moves only CUDA tensors: a tensor still on the host goes through a device copy, one at a

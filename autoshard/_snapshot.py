@@ -33,9 +33,15 @@ def _host_copy(value: Any) -> Any:
 
 
 def take_snapshot(
-    module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    module_tensors: bool = True,
 ) -> Snapshot:
-    live = [_local(t) for t in [*module.parameters(), *module.buffers()]]
+    """`module_tensors=False` leaves parameters and buffers out: a caller that restores them by
+    broadcast from a rank that kept them (DDP's replicas) copies nothing on the other ranks."""
+    live = [_local(t) for t in [*module.parameters(), *module.buffers()]] if module_tensors else []
     return Snapshot(
         tensors=[(t, t.detach().to("cpu", copy=True)) for t in live],
         optimizer_state={

@@ -26,11 +26,12 @@ from autoshard._agree import (
     ddp_sync_points,
     fsdp_sync_points,
 )
-from autoshard._apply import Wrapping, apply, ddp
+from autoshard._apply import Wrapping, apply, ddp, sync_from_rank0
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
 from autoshard._plan import Attempt, Candidate
 from autoshard._snapshot import restore, take_snapshot
+from autoshard._strategy import Strategy
 from autoshard._units import human
 
 MAX_ATTEMPTS = 4
@@ -299,12 +300,19 @@ def prove(
     batch = batch_to(batch, wrapping.world.device)
     current, attempts, tried = first, [], set()
     while True:
-        snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
+        # DDP's replicas are identical and every path after a DDP attempt re-broadcasts rank 0's
+        # (a new DDP, FSDP's sync, or the broadcast below): only rank 0 copies them.
+        replica = wrapping.ddp is not None and wrapping.world.rank != 0
+        snapshot = take_snapshot(
+            wrapping.module, optimizer, wrapping.world.device, module_tensors=not replica
+        )
         outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
         failed = any(outcome.codes)
         problem = _clean_up(wrapping, optimizer, failed)
         restore(snapshot, wrapping.module, optimizer, wrapping.world.device)
         del snapshot
+        if failed and wrapping.strategy == Strategy.DDP:
+            sync_from_rank0(wrapping.module, wrapping.world.device)  # the replicas not copied
         if ERROR in outcome.codes:
             _raise_error(outcome, wrapping)
         label = (current.strategy, current.activation_checkpointing)
