@@ -76,9 +76,9 @@ class Launch:
         return "\n".join(parts)
 
 
-def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -> Launch:
-    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun and collect results."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_torchrun(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]:
+    """Run `script` on NPROC CPU ranks under real torchrun with a hard timeout; on expiry the whole
+    process tree is killed. Returns (return code, torchrun's output, timed out)."""
     command = [
         sys.executable,
         "-m",
@@ -86,8 +86,7 @@ def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -
         "--standalone",
         "--nproc-per-node",
         str(NPROC),
-        str(WORKERS / f"{worker}.py"),
-        str(out_dir),
+        str(script),
         *args,
     ]
     env = dict(os.environ)
@@ -98,7 +97,6 @@ def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -
         CUDA_VISIBLE_DEVICES="",  # this tier is CPU/gloo even on a GPU machine
     )
     env.pop("TORCHELASTIC_RUN_ID", None)
-    started = time.perf_counter()
     proc = subprocess.Popen(
         command,
         cwd=REPO,
@@ -115,15 +113,25 @@ def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -
         timed_out = True
         _kill_tree(proc)
         output, _ = proc.communicate()
+    return proc.returncode, output or "", timed_out
+
+
+def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -> Launch:
+    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun and collect results."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    returncode, output, timed_out = run_torchrun(
+        WORKERS / f"{worker}.py", str(out_dir), *args, timeout=timeout
+    )
     ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(NPROC)]
     return Launch(
         worker=worker,
         out_dir=out_dir,
-        returncode=proc.returncode,
+        returncode=returncode,
         timed_out=timed_out,
         timeout=timeout,
         seconds=time.perf_counter() - started,
-        torchrun_output=output or "",
+        torchrun_output=output,
         ranks=ranks,
     )
 

@@ -5,12 +5,9 @@ figure is asserted: the numbers depend on the machine."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from _dist import REPO, _kill_tree
+from _dist import REPO, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -54,14 +51,8 @@ DERIVED_FIELDS = {
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("compare")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(REPO / "benchmarks" / "compare.py"),
+    returncode, output, timed_out = run_torchrun(
+        REPO / "benchmarks" / "compare.py",
         "--models",
         "gpt",
         "--budgets",
@@ -72,26 +63,12 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "1",
         "--out",
         str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        timeout=TIMEOUT_S,
     )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        output, _ = proc.communicate()
+    if timed_out:
         pytest.fail(f"compare.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}", pytrace=False)
-    if proc.returncode != 0:
-        pytest.fail(f"compare.py exited with {proc.returncode}:\n{output[-4000:]}", pytrace=False)
+    if returncode != 0:
+        pytest.fail(f"compare.py exited with {returncode}:\n{output[-4000:]}", pytrace=False)
     data = json.loads((out / "compare.json").read_text())
     data["stdout"] = output
     return data
