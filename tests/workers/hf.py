@@ -1,0 +1,121 @@
+"""Hugging Face models (a tiny GPT-2 and a tiny Llama, tied embeddings) through prepare() with
+every strategy: blocks from `_no_split_modules`, tied weights still one parameter after wrapping,
+`output.loss` as the trial step's loss, and loss parity with a single-process reference.
+
+Usage (from tests/_dist.py): torchrun --nproc-per-node 2 hf.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from _common import LR, Cases, is_fsdp, rank, train
+from _hf import MODELS, build, global_batches, shard, tied
+from torch import nn
+
+import autoshard
+import autoshard._trial
+
+STEPS = 4
+STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "auto")
+
+cases = Cases()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+
+@contextlib.contextmanager
+def _loss_spy() -> Iterator[list[bool]]:
+    """Record, for each loss the trial step computes, whether it is the model's `output.loss`."""
+    seen: list[bool] = []
+    original = autoshard._trial.compute_loss
+
+    def spy(output: Any, batch: Any, loss_fn: Any) -> torch.Tensor:
+        loss = original(output, batch, loss_fn)
+        seen.append(loss is getattr(output, "loss", None))
+        return loss
+
+    autoshard._trial.compute_loss = spy
+    try:
+        yield seen
+    finally:
+        autoshard._trial.compute_loss = original
+
+
+def _reference(name: str) -> list[float]:
+    model = build(name)
+    return train(model, _optimizer(model), global_batches(STEPS))
+
+
+def _fsdp_unit_of(module: nn.Module, param: torch.Tensor) -> list[str]:
+    """Names of the FSDP units (modules with fully_shard applied) that manage `param`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for unit_name, unit in module.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        if group is not None and any(p.sharded_param is param for p in group.fsdp_params):
+            units.append(unit_name or "<root>")
+    return units
+
+
+def _prepared(name: str, strategy: str) -> dict[str, Any]:
+    model = build(name)
+    optimizer = _optimizer(model)
+    batches = [shard(b, rank()) for b in global_batches(STEPS)]
+    names_before = [n for n, _ in model.named_parameters()]
+    blocks = [n for n, m in model.named_modules() if type(m).__name__ in model._no_split_modules]
+    with _loss_spy() as seen:
+        prepared = autoshard.prepare(
+            model, optimizer, batches[0], strategy=strategy, mixed_precision="no"
+        )
+    wrapped, returned, plan = prepared
+    embedding = model.get_input_embeddings().weight
+    info: dict[str, Any] = {
+        "strategy": plan.strategy.value,
+        "num_blocks": plan.num_blocks,
+        "reasons": list(plan.reasons),
+        "attempts": [a.outcome for a in plan.attempts],
+        "trial_losses_are_output_loss": seen,
+        "is_ddp": isinstance(wrapped, nn.parallel.DistributedDataParallel),
+        "is_fsdp": is_fsdp(wrapped),
+        "optimizer_is_same": returned is optimizer,
+        "tied_after_prepare": tied(model),
+        "same_param_names": [n for n, _ in model.named_parameters()] == names_before,
+        "optimizer_holds_embedding_once": sum(
+            p is embedding for g in optimizer.param_groups for p in g["params"]
+        )
+        == 1,
+        "embedding_units": _fsdp_unit_of(model, embedding) if is_fsdp(model) else [],
+        "blocks": blocks,
+        "block_is_fsdp": [is_fsdp(model.get_submodule(n)) for n in blocks],
+    }
+    info["losses"] = train(wrapped, optimizer, batches)
+    info["tied_after_training"] = tied(model)
+    return info
+
+
+@cases.case
+def reference() -> dict[str, Any]:
+    """fp32, one process, the whole global batch each step; the same on both ranks."""
+    return {name: _reference(name) for name in MODELS}
+
+
+for _name in MODELS:
+    for _strategy in STRATEGIES:
+        cases.case(
+            lambda n=_name, s=_strategy: _prepared(n, s),
+            name=f"{_name}_{_strategy}",
+        )
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    cases.main(init_process_group=False)
