@@ -29,12 +29,7 @@ class Request:
 def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.DataParallel):
-        raise ValueError(
-            "model is wrapped in torch.nn.DataParallel, which runs one process over several GPUs "
-            "through a single Python thread and is obsolete; pass the unwrapped model "
-            "(model.module) and launch one process per GPU with torchrun"
-        )
+    _check_not_data_parallel(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(
             "model is already wrapped in DistributedDataParallel; pass the unwrapped model "
@@ -51,6 +46,26 @@ def check_model(model: Any) -> None:
         raise ValueError(
             "model has parameters on the meta device; materialise them first "
             "(model.to_empty(device=...) and initialise), then call prepare"
+        )
+
+
+def _check_not_data_parallel(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.DataParallel):
+            continue
+        where, unwrap = (
+            (f"submodule '{name}'", f"replace submodule '{name}' by its .module")
+            if name
+            else ("model", "pass model.module")
+        )
+        raise ValueError(
+            f"{where} is wrapped in torch.nn.DataParallel, which is obsolete (PyTorch recommends "
+            f"DistributedDataParallel instead): one Python process drives every GPU, its threads "
+            f"contend for the GIL, it replicates the model onto every GPU again at every forward "
+            f"and gathers the outputs on the first GPU, so it is slower than DDP even on a single "
+            f"machine. Unwrap it ({unwrap}) and launch one process per GPU with torchrun "
+            f"(torchrun --nproc-per-node=N train.py) or accelerate launch; autoshard then "
+            f"chooses DDP or FSDP for it"
         )
 
 

@@ -154,10 +154,27 @@ def test_optimizer_holding_a_parameter_the_model_does_not_own() -> None:
 def test_model_wrapped_in_data_parallel() -> None:
     model, optimizer, batch = make()
     wrapped = nn.DataParallel(model)  # on CPU this holds the module and does nothing else
-    message = refuses(ValueError, "DataParallel", wrapped, optimizer, batch)
+    message = refuses(ValueError, "wrapped in torch.nn.DataParallel", wrapped, optimizer, batch)
+    # Why: obsolete, one process for every GPU, the GIL, a replica made at every forward, and
+    # slower than DDP even on one machine.
     assert "obsolete" in message
-    assert "model.module" in message  # unwrap
-    assert "torchrun" in message  # and what to do instead
+    assert "one Python process" in message
+    assert "GIL" in message
+    assert "replicates the model onto every GPU again at every forward" in message
+    assert "slower than DDP even on a single machine" in message
+    # What to do: unwrap, one process per GPU under torchrun.
+    assert "pass model.module" in message
+    assert "one process per GPU with torchrun" in message
+    assert "torchrun --nproc-per-node=N" in message
+    with pytest.raises(ValueError, match="wrapped in torch.nn.DataParallel"):
+        autoshard.plan(wrapped, optimizer, batch)  # what-if planning refuses it too
+
+
+def test_submodule_wrapped_in_data_parallel() -> None:
+    model, optimizer, batch = make()
+    model.blocks[1] = nn.DataParallel(model.blocks[1])
+    message = refuses(ValueError, "submodule 'blocks.1' is wrapped in", model, optimizer, batch)
+    assert "replace submodule 'blocks.1' by its .module" in message
 
 
 @pytest.fixture
