@@ -4,6 +4,7 @@ checkpointing from the memory every GPU really has free, and proves the choice w
     model, optimizer, plan = autoshard.prepare(model, optimizer, example_batch=batch)
 """
 
+from autoshard._data import shard_dataloader
 from autoshard._plan import Attempt, Candidate, DoesNotFit, Plan
 from autoshard._prepare import Prepared, plan, prepare
 from autoshard._strategy import Strategy
@@ -17,5 +18,6 @@ __all__ = [
     "Strategy",
     "plan",
     "prepare",
+    "shard_dataloader",
 ]
 __version__ = "0.1.0"

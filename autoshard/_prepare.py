@@ -9,10 +9,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from autoshard._apply import DTYPES, start
 from autoshard._batch import LossFn
 from autoshard._blocks import find_blocks
+from autoshard._data import check_dataloader, warn_if_unsharded
 from autoshard._inputs import (
     blocks_reason,
     forced_checkpointing,
@@ -116,6 +118,7 @@ def prepare(
     activation_checkpointing: str | int | bool = "auto",
     memory_limit: int | str | None = None,
     trial_step: bool = True,
+    dataloader: DataLoader[Any] | None = None,
 ) -> Prepared:
     """Choose the fastest wrapping that fits, apply it, prove it with one trial step.
 
@@ -135,6 +138,8 @@ def prepare(
         memory_limit: caps the usable memory per rank: bytes or a string such as "20GiB".
         trial_step: run one real training step on `example_batch` and fall back on OOM; the
             model, optimizer and RNG are restored to what was passed in afterwards.
+        dataloader: the training DataLoader, only checked: under several ranks a loader that
+            is not sharded (see `shard_dataloader`) draws a warning, once per process.
 
     Returns:
         `Prepared(model, optimizer, plan)`, with `.scaler` for fp16.
@@ -154,6 +159,7 @@ def prepare(
     own_error: Exception | None = None
     try:
         request = _validate(model, optimizer, loss_fn, options)
+        check_dataloader(dataloader)
     except (TypeError, ValueError) as error:
         own_error = error
     world = resolve(init=True)
@@ -162,6 +168,7 @@ def prepare(
     decision = _decide_everywhere(
         model, optimizer, example_batch, loss_fn, world, request, own_error
     )
+    warn_if_unsharded(dataloader, world)
     wrapping = start(
         model, decision.block_names, world, decision.plan.mixed_precision, decision.find_unused
     )
