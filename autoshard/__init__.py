@@ -4,6 +4,7 @@ checkpointing from the memory every GPU really has free, and proves the choice w
     model, optimizer, plan = autoshard.prepare(model, optimizer, example_batch=batch)
 """
 
+from autoshard._checkpoint import load, save
 from autoshard._data import shard_dataloader
 from autoshard._plan import Attempt, Candidate, DoesNotFit, Plan
 from autoshard._prepare import Prepared, plan, prepare
@@ -16,8 +17,10 @@ __all__ = [
     "Plan",
     "Prepared",
     "Strategy",
+    "load",
     "plan",
     "prepare",
+    "save",
     "shard_dataloader",
 ]
 __version__ = "0.1.0"
