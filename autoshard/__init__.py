@@ -4,6 +4,7 @@ checkpointing from the memory every GPU really has free, and proves the choice w
     model, optimizer, plan = autoshard.prepare(model, optimizer, example_batch=batch)
 """
 
+from autoshard._accelerate import accelerate_kwargs
 from autoshard._checkpoint import load, save
 from autoshard._data import shard_dataloader
 from autoshard._plan import Attempt, Candidate, DoesNotFit, Plan
@@ -17,6 +18,7 @@ __all__ = [
     "Plan",
     "Prepared",
     "Strategy",
+    "accelerate_kwargs",
     "load",
     "plan",
     "prepare",

@@ -117,6 +117,9 @@ class Plan:
     candidates: tuple[Candidate, ...]
     reasons: tuple[str, ...]
     attempts: tuple[Attempt, ...] = field(default=())
+    # Trainable parameters that got no gradient in the traced step: DDP must then look for them
+    # every step (find_unused_parameters=True), or it fails on the second step.
+    unused_parameters: tuple[str, ...] = field(default=())
 
     def __str__(self) -> str:
         return render(self)

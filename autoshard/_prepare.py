@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +29,15 @@ from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide
 from autoshard._trial import prove
 from autoshard._units import parse_bytes
 from autoshard._validate import Request, check_model, check_optimizer, check_request
-from autoshard._world import Memory, RankReport, World, agree, local_memory, resolve
+from autoshard._world import (
+    Memory,
+    RankReport,
+    World,
+    agree,
+    launched_world_size,
+    local_memory,
+    resolve,
+)
 
 logger = logging.getLogger("autoshard")
 
@@ -259,7 +267,9 @@ def _decide_everywhere(
     )
     forced_ac = forced_checkpointing(request, len(blocks))
     strategies = strategies_for(world.world_size, world.distributed)
-    plan = decide(inputs, strategies, request.strategy, forced_ac)
+    plan = replace(
+        decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=tuple(unused)
+    )
     chosen = (plan.strategy, plan.activation_checkpointing)
     first = next(c for c in plan.candidates if (c.strategy, c.activation_checkpointing) == chosen)
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
@@ -285,7 +295,8 @@ def plan(
     Args:
         model, optimizer, example_batch, loss_fn, strategy, mixed_precision,
         activation_checkpointing, memory_limit: as for `prepare`.
-        world_size: ranks to plan for (default: the current process group's size, else 1).
+        world_size: ranks to plan for (default: the current process group's size, else the
+            number of processes torchrun or accelerate launch started, else 1).
         num_nodes: nodes the ranks span (for the bandwidth the cost model assumes).
         device_memory: free memory of each rank's device, bytes or "80GiB" (default: measured
             on this machine).
@@ -303,7 +314,10 @@ def plan(
         ),
     )
     world = resolve(init=False)
-    size = world.world_size if world_size is None else world_size
+    # Under torchrun or accelerate launch before any process group exists (an Accelerator is
+    # built after planning), the job still has the launched number of ranks.
+    job_size = world.world_size if world.distributed else launched_world_size()
+    size = job_size if world_size is None else world_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if device_memory is None:
@@ -333,9 +347,11 @@ def plan(
         [mp_reason, blocks_reason(model, names), usable_reason, measured.trace_note],
     )
     forced_ac = forced_checkpointing(request, len(blocks))
-    return decide(
+    decided = decide(
         inputs,
-        strategies_for(size, world_size is not None or world.distributed),
+        strategies_for(size, world_size is not None or world.distributed or job_size > 1),
         request.strategy,
         forced_ac,
     )
+    unused = measured.profile.unused_parameters if measured.profile is not None else ()
+    return replace(decided, unused_parameters=unused)

@@ -48,6 +48,11 @@ def launched_by_torchrun() -> bool:
     return all(var in os.environ for var in _LAUNCHER_VARS)
 
 
+def launched_world_size() -> int:
+    """The number of processes torchrun (or accelerate launch) started, else 1."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+
+
 def resolve(*, init: bool) -> World:
     """Describe this process; with `init`, initialise the process group torchrun asked for."""
     reasons: list[str] = []

@@ -76,19 +76,34 @@ class Launch:
         return "\n".join(parts)
 
 
-def run_torchrun(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]:
-    """Run `script` on NPROC CPU ranks under real torchrun with a hard timeout; on expiry the whole
-    process tree is killed. Returns (return code, torchrun's output, timed out)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(NPROC),
-        str(script),
-        *args,
-    ]
+# How a worker is started: torchrun itself, or `accelerate launch` (which starts the ranks through
+# torchrun; `--multi_gpu` is what gives 2 processes on a machine without GPUs, and port 0 makes it
+# pick a free port, as torchrun's --standalone does).
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC))
+ACCELERATE = (
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    str(NPROC),
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--main_process_port",
+    "0",
+)
+
+
+def run_torchrun(
+    script: Path, *args: str, timeout: float, launcher: tuple[str, ...] = TORCHRUN
+) -> tuple[int, str, bool]:
+    """Run `script` on NPROC CPU ranks under real torchrun (or another `launcher`) with a hard
+    timeout; on expiry the whole process tree is killed. Returns (return code, the launcher's
+    output, timed out)."""
+    command = [sys.executable, *launcher, str(script), *args]
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine: no oversubscription
@@ -116,12 +131,19 @@ def run_torchrun(script: Path, *args: str, timeout: float) -> tuple[int, str, bo
     return proc.returncode, output or "", timed_out
 
 
-def launch(worker: str, out_dir: Path, *args: str, timeout: float = TIMEOUT_S) -> Launch:
-    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun and collect results."""
+def launch(
+    worker: str,
+    out_dir: Path,
+    *args: str,
+    timeout: float = TIMEOUT_S,
+    launcher: tuple[str, ...] = TORCHRUN,
+) -> Launch:
+    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun (or `launcher`) and
+    collect results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     returncode, output, timed_out = run_torchrun(
-        WORKERS / f"{worker}.py", str(out_dir), *args, timeout=timeout
+        WORKERS / f"{worker}.py", str(out_dir), *args, timeout=timeout, launcher=launcher
     )
     ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(NPROC)]
     return Launch(

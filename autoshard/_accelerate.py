@@ -1,0 +1,165 @@
+"""A Plan as Hugging Face accelerate's own configuration, for scripts built around `Accelerator`.
+
+    plan = autoshard.plan(model, optimizer, example_batch)
+    accelerator = Accelerator(**autoshard.accelerate_kwargs(plan, model))
+
+What maps one to one: FULL_SHARD / SHARD_GRAD_OP are accelerate's FSDP2 plugin with
+`reshard_after_forward` True / False, wrapping each of the blocks autoshard found (by class name,
+accelerate's `transformer_based_wrap`); DDP is `DistributedDataParallelKwargs`; mixed precision is
+accelerate's `mixed_precision` string and, under FSDP, FSDP2's `MixedPrecisionPolicy` with fp32
+gradient reduction as `prepare` uses it. What does not: accelerate checkpoints all blocks or none,
+and only under FSDP; those differences are documented on `accelerate_kwargs` and warned about.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard._apply import DTYPES
+from autoshard._blocks import find_blocks
+from autoshard._plan import Plan
+from autoshard._strategy import Strategy
+from autoshard._world import _cuda
+
+# The FSDP2 strategies accelerate's plugin expresses: ZeRO-3 reshards parameters after forward,
+# ZeRO-2 keeps them gathered until backward.
+_RESHARD_AFTER_FORWARD = {Strategy.FULL_SHARD: True, Strategy.SHARD_GRAD_OP: False}
+
+
+def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for `accelerate.Accelerator` that train as `plan` says.
+
+    Args:
+        plan: from `autoshard.plan` (or `prepare`), made for the job's world size: under
+            `accelerate launch`, `autoshard.plan` plans for the launched number of processes.
+        model: the unwrapped model the plan was made for; its repeated blocks (found as
+            `prepare` finds them: `_no_split_modules`, else the largest list of same-class
+            children) become accelerate's FSDP units, by class name.
+
+    Returns:
+        A dict with `mixed_precision` ("bf16", "fp16" or "no"), and:
+        - FULL_SHARD / SHARD_GRAD_OP: `fsdp_plugin`, a `FullyShardedDataParallelPlugin` with
+          `fsdp_version=2`, `reshard_after_forward` True (ZeRO-3) / False (ZeRO-2),
+          `mixed_precision_policy` (compute dtype, fp32 gradient reduction), `auto_wrap_policy`
+          "transformer_based_wrap" on the block classes, and `activation_checkpointing` True when
+          the plan checkpoints any block. accelerate checkpoints every block or none, so a plan
+          that checkpoints k of n blocks gets all n (and a warning): n - k more block forwards
+          recomputed per step, and activation memory that of n checkpointed blocks, usually
+          below the plan's (not always: the recompute peak can grow with the count).
+        - DDP: `kwargs_handlers` with `DistributedDataParallelKwargs(gradient_as_bucket_view=True,
+          find_unused_parameters=...)`, the latter True when the traced step left trainable
+          parameters without a gradient (`plan.unused_parameters`). accelerate has no activation
+          checkpointing outside FSDP: a DDP plan that checkpoints blocks warns instead.
+        - LOCAL (one process): nothing else.
+        - `cpu=True` where there is no CUDA device: without it accelerate 1.x treats each process
+          of `accelerate launch --multi_gpu` on a machine without GPUs as a job of its own
+          (`DistributedType.NO`), so the ranks would train apart. On CPU accelerate runs DDP only
+          (`MULTI_CPU`): it ignores `fsdp_plugin` there, and a sharded plan warns.
+
+    Raises:
+        ValueError: `model` does not have the number of blocks the plan was made with, or the
+            plan's strategy has no accelerate equivalent here.
+    """
+    blocks = find_blocks(model)
+    if len(blocks) != plan.num_blocks:
+        raise ValueError(
+            f"the plan was made for a model with {plan.num_blocks} repeated block(s), but this "
+            f"model has {len(blocks)}; pass the model the plan was made for, unwrapped"
+        )
+    kwargs: dict[str, Any] = {"mixed_precision": plan.mixed_precision}
+    if not _cuda():
+        kwargs["cpu"] = True
+    if plan.strategy.sharded:
+        if plan.strategy not in _RESHARD_AFTER_FORWARD:
+            raise ValueError(
+                f"the plan chose {plan.strategy}, which accelerate_kwargs does not express in "
+                f"accelerate's configuration yet; train with autoshard.prepare instead"
+            )
+        kwargs["fsdp_plugin"] = fsdp_plugin(plan, model, blocks)
+        if 0 < plan.activation_checkpointing < plan.num_blocks:
+            warnings.warn(
+                f"the plan checkpoints {plan.activation_checkpointing} of {plan.num_blocks} "
+                f"blocks, but accelerate checkpoints all of them or none: all "
+                f"{plan.num_blocks} will be, which recomputes more than planned",
+                stacklevel=2,
+            )
+        if not _cuda():
+            warnings.warn(
+                f"the plan chose {plan.strategy}, but accelerate runs FSDP only on accelerators: "
+                f"on CPU it ignores fsdp_plugin and wraps the model in DDP, which holds the whole "
+                f"model, gradients and optimizer state on every rank; autoshard.prepare runs "
+                f"FSDP2 on CPU with gloo",
+                stacklevel=2,
+            )
+    elif plan.strategy == Strategy.DDP:
+        kwargs["kwargs_handlers"] = [ddp_kwargs(plan)]
+    if plan.activation_checkpointing and not plan.strategy.sharded:
+        warnings.warn(
+            f"the plan checkpoints {plan.activation_checkpointing} of {plan.num_blocks} blocks "
+            f"under {plan.strategy}, but accelerate checkpoints activations only with "
+            f"fsdp_plugin; checkpoint those blocks yourself (Hugging Face models: "
+            f"model.gradient_checkpointing_enable()), or let autoshard.prepare wrap the model",
+            stacklevel=2,
+        )
+    return kwargs
+
+
+def fsdp_plugin(plan: Plan, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Any:
+    """accelerate's FSDP2 plugin for a sharded plan."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = DTYPES[plan.mixed_precision]
+    classes = sorted({type(module).__name__ for _, module in blocks})
+    _warn_on_extra_units(model, blocks, classes)
+    # As `prepare` does (autoshard/_apply.py): parameters gathered in the compute dtype,
+    # gradients reduced in fp32. No output_dtype: accelerate's autocast returns fp32 outputs.
+    policy = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype is not None
+        else None
+    )
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=_RESHARD_AFTER_FORWARD[plan.strategy],
+        mixed_precision_policy=policy,
+        auto_wrap_policy="transformer_based_wrap" if classes else "no_wrap",
+        transformer_cls_names_to_wrap=classes or None,
+        activation_checkpointing=plan.activation_checkpointing > 0,
+        cpu_offload=plan.cpu_offload,
+    )
+
+
+def ddp_kwargs(plan: Plan) -> Any:
+    """accelerate's DDP settings for a DDP plan, as `prepare` builds its DDP (autoshard/_apply.py):
+    gradients as views into the all-reduce buckets (one copy of the gradients fewer), and the
+    per-step search for unused parameters only when the trace found some."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return DistributedDataParallelKwargs(
+        find_unused_parameters=bool(plan.unused_parameters), gradient_as_bucket_view=True
+    )
+
+
+def _warn_on_extra_units(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], classes: list[str]
+) -> None:
+    """accelerate wraps by class: modules of a block's class that are not blocks become FSDP units
+    of their own too (e.g. blocks that are plain nn.Sequential)."""
+    names = {name for name, _ in blocks}
+    extra = [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__ in classes and name not in names
+    ]
+    if extra:
+        warnings.warn(
+            f"accelerate wraps modules by class name, and {len(extra)} module(s) of the block "
+            f"class(es) {', '.join(classes)} are not blocks (e.g. '{extra[0] or 'the model'}'): "
+            f"each becomes an FSDP unit of its own as well",
+            stacklevel=4,
+        )
