@@ -1,10 +1,9 @@
 """save() and load(): checkpoints that move between strategies and world sizes.
 
-Built on torch.distributed.checkpoint (DCP): `get_state_dict` names every tensor by the plain
-module's qualified names (DDP's `module.` prefix dropped, FSDP2's DTensors kept sharded), `dcp.save`
-writes each rank's shards, and `dcp.load` reads whatever layout the checkpoint has into whatever
-layout the loading model has (resharding as needed), so a checkpoint written by FULL_SHARD on 8
-ranks loads into DDP on 2 or into one plain process.
+Built on torch.distributed.checkpoint (DCP, see _dcp.py), which reshards on load: a checkpoint
+written by FULL_SHARD on 8 ranks loads into DDP on 2 or into one plain process. This module checks
+the arguments (agreeing across ranks, so that none is left waiting in a collective) and makes the
+write atomic.
 
 A save is atomic. Every rank writes into a hidden sibling directory `.<name>.autoshard-partial`;
 once DCP has finished (its `.metadata` is written last, by the coordinator, after every rank's
@@ -16,13 +15,9 @@ save never loads as complete; the next `save` to the same path clears what it le
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard._dcp import Saved, dcp_errors, read, write
 from autoshard._optim import unowned_parameters
 from autoshard._world import World, resolve
 
@@ -61,6 +57,8 @@ def save(
 
     Raises:
         TypeError, ValueError: bad arguments (on every rank, before anything is written).
+        RuntimeError: writing failed on some rank (on every rank; a checkpoint already at `path`
+            is unchanged).
     """
     world = resolve(init=True)
     target: Path | None = None
@@ -75,8 +73,8 @@ def save(
     assert target is not None  # else _raise_everywhere raised
     partial, old = _siblings(target)
     _on_rank0(world, lambda: _clear_leftovers(target, partial, old))
-    with _dcp_errors(f"save to {str(target)!r}", "a checkpoint already there is unchanged"):
-        _write(partial, model, optimizer, world)
+    with dcp_errors(f"save to {str(target)!r}", "a checkpoint already there is unchanged"):
+        write(partial, model, optimizer, world)
     marker = {
         "format": FORMAT,
         "torch": torch.__version__,
@@ -106,7 +104,8 @@ def load(
     Raises:
         TypeError, ValueError: bad arguments, a path that is not a complete checkpoint, or a
             model whose names or shapes differ from the checkpoint's (on every rank, before the
-            model or optimizer is changed).
+            model or optimizer is changed), or an optimizer of another class or options.
+        RuntimeError: reading failed on some rank.
     """
     world = resolve(init=True)
     error: Exception | None = None
@@ -114,17 +113,13 @@ def load(
         checkpoint = _check_path(path)
         _check_model_and_optimizer(model, optimizer)
         marker = _read_marker(checkpoint)
-        if optimizer is not None and marker.get("optimizer") is None:
-            raise ValueError(
-                f"checkpoint {str(checkpoint)!r} holds no optimizer state (it was saved without "
-                f"an optimizer); call load(path, model) to load the model only"
-            )
-        saved = _Saved.read(checkpoint)
+        _check_optimizer_class(optimizer, marker.get("optimizer"), checkpoint)
+        saved = Saved.read(checkpoint)
         _check_model_matches(model, saved.shapes, checkpoint)
     except (TypeError, ValueError) as caught:
         error = caught
     _raise_everywhere(world, error)
-    _read(checkpoint, model, optimizer, saved, world)
+    read(checkpoint, model, optimizer, saved, world)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +177,22 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         )
 
 
+def _check_optimizer_class(optimizer: Any, saved: str | None, where: Path) -> None:
+    if optimizer is None:
+        return
+    if saved is None:
+        raise ValueError(
+            f"checkpoint {str(where)!r} holds no optimizer state (it was saved without an "
+            f"optimizer); call load(path, model) to load the model only"
+        )
+    if type(optimizer).__name__ != saved:
+        raise ValueError(
+            f"checkpoint {str(where)!r} holds {saved} state, the optimizer is a "
+            f"{type(optimizer).__name__}; build the optimizer it was saved from, or call "
+            f"load(path, model) to load the model only"
+        )
+
+
 def _read_marker(checkpoint: Path) -> dict[str, Any]:
     if not checkpoint.is_dir():
         _, old = _siblings(checkpoint)
@@ -206,29 +217,6 @@ def _read_marker(checkpoint: Path) -> dict[str, Any]:
             f"reads format {FORMAT}; load it with the autoshard version that wrote it"
         )
     return content
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """What a checkpoint holds, from DCP's metadata (no tensor is read)."""
-
-    shapes: dict[str, torch.Size]  # the model's tensors: qualified name -> global shape
-    optimizer_state: set[tuple[str, str]]  # (parameter name, state name) of each state entry
-
-    @staticmethod
-    def read(checkpoint: Path) -> _Saved:
-        from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
-
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-        shapes, optimizer_state = {}, set()
-        # planner_data maps each flattened key to its path in the nested state dict
-        for key, place in (metadata.planner_data or {}).items():
-            entry = metadata.state_dict_metadata.get(key)
-            if len(place) == 2 and place[0] == "model" and isinstance(entry, TensorStorageMetadata):
-                shapes[str(place[1])] = entry.size
-            elif len(place) == 4 and place[:2] == ("optimizer", "state"):
-                optimizer_state.add((str(place[2]), str(place[3])))
-        return _Saved(shapes, optimizer_state)
 
 
 def _check_model_matches(model: nn.Module, saved: dict[str, torch.Size], where: Path) -> None:
@@ -311,51 +299,6 @@ def _clear_leftovers(target: Path, partial: Path, old: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _write(
-    partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, world: World
-) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    state: dict[str, Any]
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        stepped = bool(optimizer.state)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        if not stepped:
-            # get_state_dict gives a fresh optimizer state by running one zero step (step=1, zero
-            # moments); that is not the caller's state: save none and leave the optimizer as it was.
-            optimizer.state.clear()
-            optim_state["state"] = {}
-        state = {"model": model_state, "optimizer": optim_state}
-    dcp.save(state, checkpoint_id=str(partial), no_dist=not world.distributed)
-
-
-@contextlib.contextmanager
-def _dcp_errors(action: str, consequence: str) -> Iterator[None]:
-    """Around a DCP save or load: a failure on any rank becomes a RuntimeError on every rank.
-
-    DCP gathers each rank's exception into a CheckpointException, which derives from
-    BaseException (torch 2.13), so `except Exception` in a training script would miss it. It also
-    warns on every single-process save and load, even when asked for one with `no_dist=True`: one
-    process is a supported case here, not a mistake to warn about.
-    """
-    from torch.distributed.checkpoint import CheckpointException
-
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield
-    except CheckpointException as error:
-        ranks = sorted(error.failures)
-        first = error.failures[ranks[0]]
-        cause = first[0] if isinstance(first, tuple) else first
-        raise RuntimeError(
-            f"{action} failed on rank(s) {ranks}: {type(cause).__name__}: {cause}; {consequence}"
-        ) from error
-
-
 def _publish(partial: Path, target: Path, old: Path, marker: dict[str, Any]) -> None:
     """Mark the written directory complete, then move it into place (rank 0, after DCP finished:
     the coordinator writes DCP's metadata only once every rank's data is written)."""
@@ -379,50 +322,3 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _read(
-    checkpoint: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    saved: _Saved,
-    world: World,
-) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    no_dist = not world.distributed
-    partly = "the model and optimizer may hold part of it: load again or rebuild them"
-    if optimizer is None:
-        model_state = get_model_state_dict(model)
-        with _dcp_errors(f"load from {str(checkpoint)!r}", partly):
-            dcp.load({"model": model_state}, checkpoint_id=str(checkpoint), no_dist=no_dist)
-        set_model_state_dict(model, model_state)
-        return
-    # get_state_dict gives every parameter state to load into (it runs a zero step on an optimizer
-    # that has none); keep only what the checkpoint holds, so that a parameter saved without state
-    # is loaded without state.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    entries: dict[str, dict[str, Any]] = optim_state["state"]  # type: ignore[assignment]
-    held = saved.optimizer_state
-    optim_state["state"] = {
-        name: {k: v for k, v in values.items() if (name, k) in held}
-        for name, values in entries.items()
-        if any((name, k) in held for k in values)
-    }
-    with _dcp_errors(f"load from {str(checkpoint)!r}", partly):
-        dcp.load(
-            {"model": model_state, "optimizer": optim_state},
-            checkpoint_id=str(checkpoint),
-            no_dist=no_dist,
-        )
-    set_model_state_dict(model, model_state)
-    # Not strict: torch would refuse a trainable parameter without saved state, which is what an
-    # optimizer that never updated that parameter saves (the model's tensors were matched above).
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(strict=False))

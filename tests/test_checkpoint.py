@@ -229,3 +229,26 @@ def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     autoshard.save(tmp_path / "empty", model, optimizer)  # an empty directory is fine
     assert (tmp_path / "empty" / MARKER).exists()
+
+
+def test_load_refuses_an_optimizer_of_another_kind(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    autoshard.save(tmp_path / "ck", model, optimizer)
+    with pytest.raises(ValueError, match="holds AdamW state, the optimizer is a SGD"):
+        autoshard.load(tmp_path / "ck", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    amsgrad = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="the optimizer has .*'max_exp_avg_sq'.* same options"):
+        autoshard.load(tmp_path / "ck", model, amsgrad)
+    assert not amsgrad.state  # the state torch made to load into is gone again
+
+
+def test_load_says_to_clear_gradients_when_there_is_no_state_to_load_into(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    autoshard.save(tmp_path / "ck", model, optimizer)
+    fresh, fresh_optimizer = trained(steps=0)
+    fresh(torch.randn(8, 3)).backward()
+    with pytest.raises(ValueError, match="call optimizer.zero_grad\\(set_to_none=True\\) first"):
+        autoshard.load(tmp_path / "ck", fresh, fresh_optimizer)
+    fresh_optimizer.zero_grad(set_to_none=True)
+    autoshard.load(tmp_path / "ck", fresh, fresh_optimizer)
+    assert_same(snapshot(fresh, fresh_optimizer), snapshot(model, optimizer))
