@@ -308,7 +308,7 @@ def test_accelerator_from_a_ddp_plan_trains_in_step(accel: Launch) -> None:
     for r in ranks:
         assert r["plan_world_size"] == 2
         assert r["kwargs"] == ["cpu", "kwargs_handlers", "mixed_precision"]
-        assert r["autoshard_warnings"] == []
+        assert r["warnings"] == [], "a DDP plan maps to accelerate without loss"
         assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["num_processes"] == 2
         assert r["is_ddp"]
         assert r["unused_parameters"] == ["unused.weight", "unused.bias"]

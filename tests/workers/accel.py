@@ -45,6 +45,14 @@ def _accelerator(kwargs: dict[str, Any]) -> Any:
     return Accelerator(**kwargs)
 
 
+def _kwargs(plan: autoshard.Plan, model: nn.Module) -> tuple[dict[str, Any], list[str]]:
+    """accelerate_kwargs and the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwargs = autoshard.accelerate_kwargs(plan, model)
+    return kwargs, [str(w.message) for w in caught]
+
+
 def _train_with(accelerator: Any, model: nn.Module, optimizer: Any, steps: int) -> list[float]:
     losses = []
     for batch in local_batches(steps):
@@ -101,15 +109,13 @@ def accelerator_ddp() -> dict[str, Any]:
     plan = autoshard.plan(
         model, optimizer, local_batches(1)[0], strategy="ddp", mixed_precision="no"
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        kwargs = autoshard.accelerate_kwargs(plan, model)
+    kwargs, caught = _kwargs(plan, model)
     accelerator = _accelerator(kwargs)
     wrapped, optimizer = accelerator.prepare(model, optimizer)
     return {
         "plan_world_size": plan.world_size,
         "unused_parameters": list(plan.unused_parameters),
-        "autoshard_warnings": [str(w.message) for w in caught if "autoshard" in str(w.filename)],
+        "warnings": caught,
         "kwargs": sorted(kwargs),
         "distributed_type": str(accelerator.distributed_type),
         "num_processes": accelerator.num_processes,
@@ -134,13 +140,11 @@ def accelerator_fsdp_plan_on_cpu() -> dict[str, Any]:
         mixed_precision="no",
         activation_checkpointing=1,
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        kwargs = autoshard.accelerate_kwargs(plan, model)
+    kwargs, caught = _kwargs(plan, model)
     accelerator = _accelerator(kwargs)
     wrapped, optimizer = accelerator.prepare(model, optimizer)
     return {
-        "warnings": [str(w.message) for w in caught],
+        "warnings": caught,
         "distributed_type": str(accelerator.distributed_type),
         "num_processes": accelerator.num_processes,
         "is_fsdp": is_fsdp(wrapped),
@@ -168,9 +172,7 @@ def _forced_fsdp2(model: nn.Module, optimizer: Any, batch: Any, strategy: str) -
         mixed_precision="no",
         activation_checkpointing=1,  # accelerate checkpoints all blocks or none: here all
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the "FSDP on CPU" warning, seen above
-        kwargs = autoshard.accelerate_kwargs(plan, model)
+    kwargs, _ = _kwargs(plan, model)  # warns that accelerate runs no FSDP on CPU: seen above
     accelerator = _accelerator(kwargs)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = kwargs["fsdp_plugin"]
