@@ -165,24 +165,57 @@ def _unwrap_ddp(wrapping: Wrapping) -> None:
 
 def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     module, world = wrapping.module, wrapping.world
     sync_from_rank0(module, world.device)
     # An explicit mesh: without it FSDP2 may pick CUDA on a CPU/gloo job (DESIGN.md section 3).
-    mesh = init_device_mesh(world.device.type, (world.world_size,))
-    reshard = strategy == Strategy.FULL_SHARD
+    if strategy == Strategy.HYBRID_SHARD:  # replicate across nodes, shard within each
+        nodes = world.world_size // world.local_world_size
+        mesh = init_device_mesh(
+            world.device.type,
+            (nodes, world.local_world_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
+    shard_module(module, wrapping.block_names, mesh, strategy, dtype)
+
+
+def shard_module(
+    module: nn.Module,
+    block_names: list[str],
+    mesh: Any,
+    strategy: Strategy,
+    dtype: torch.dtype | None,
+) -> None:
+    """`fully_shard` each block, then the root, over `mesh` (also `_simulate`'s fake mesh); a
+    2-D mesh (replicate, shard) makes it HSDP."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    reshard = strategy.reshards
+    offload = CPUOffloadPolicy() if strategy == Strategy.CPU_OFFLOAD else OffloadPolicy()
     reduce = torch.float32 if dtype is not None else None
     # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so a loss
     # computed outside the model is in full precision as under autocast, without fp32 copies
     # between blocks. A loss computed inside forward (Hugging Face style) runs in param_dtype.
     inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
-    for name in wrapping.block_names:
+    for name in block_names:
         fully_shard(
-            module.get_submodule(name), mesh=mesh, reshard_after_forward=reshard, mp_policy=inner
+            module.get_submodule(name),
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=inner,
+            offload_policy=offload,
         )
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer)
+    fully_shard(
+        module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
+    )
 
 
 def sync_from_rank0(module: nn.Module, device: torch.device) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
+from autoshard._strategy import Strategy
 from autoshard._units import parse_bytes
 
 
@@ -207,7 +208,7 @@ def _size_arg(text: str) -> int:
 
 def add_decision_options(parser: argparse.ArgumentParser) -> None:
     """Options that steer autoshard's choice; `autoshard demo` and `autoshard plan` share them."""
-    strategies = ["auto", "local", "ddp", "shard_grad_op", "full_shard"]
+    strategies = ["auto", *(s.value for s in Strategy)]
     parser.add_argument("--strategy", default="auto", choices=strategies)
     parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
     parser.add_argument(

@@ -8,7 +8,7 @@ freed, optimizer temporaries alive).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -50,6 +50,8 @@ class ModelStats:
     optimizer_reason: str
     input_bytes: int
     step_temporary_bytes: int | None = None
+    # (rows, elements per row, element bytes) of each parameter: FSDP2 shards dim 0
+    param_rows: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def root_numel(self) -> int:
@@ -77,7 +79,30 @@ def model_stats(
         optimizer_reason=reason,
         input_bytes=input_bytes,
         step_temporary_bytes=step_temporary_bytes,
+        param_rows=tuple(_rows(p) for p in params),
     )
+
+
+def _rows(param: torch.Tensor) -> tuple[int, int, int]:
+    rows = param.shape[0] if param.dim() else 1
+    return rows, param.numel() // max(rows, 1), param.element_size()
+
+
+def shard_bytes(stats: ModelStats, degree: int, rank: int = 0) -> int:
+    """Bytes of one rank's FSDP2 shard of every parameter: `torch.chunk` along dim 0 gives each
+    rank ceil(rows / degree) rows while they last, so rank 0's shard is the largest."""
+    total = 0
+    for rows, per_row, size in stats.param_rows:
+        chunk = -(-rows // degree)
+        total += max(0, min(chunk, rows - rank * chunk)) * per_row * size
+    return total
+
+
+def shard_ratio(stats: ModelStats, simulated: int, planned: int) -> float:
+    """How much larger a rank's shard is at `planned` ranks than at `simulated` ranks."""
+    if simulated == planned or not stats.param_rows:
+        return 1.0
+    return shard_bytes(stats, planned) / max(shard_bytes(stats, simulated), 1)
 
 
 @dataclass(frozen=True)
@@ -99,6 +124,38 @@ class Footprint:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """Bytes alive at one peak of a simulated step, per rank, by term (`_simulate`)."""
+
+    params: int  # stored parameters: sharded under FSDP2
+    buffers: int
+    grads: int  # sharded under FSDP2
+    optimizer_state: int
+    activations: int  # saved for backward, and the batch
+    comm_buffers: int  # FSDP2's all-gather outputs, unsharded parameters and gradients
+    temporaries: int
+
+    def scaled(self, ratio: float) -> Phase:
+        """The sharded terms at another sharding degree (`shard_ratio`)."""
+        return replace(
+            self,
+            params=round(self.params * ratio),
+            grads=round(self.grads * ratio),
+            optimizer_state=round(self.optimizer_state * ratio),
+        )
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """Two simulated steps of one strategy with no block checkpointed: the breakdown at the
+    forward/backward peak and at the optimizer step's peak, at sharding degree `degree`."""
+
+    backward: Phase
+    step: Phase
+    degree: int
+
+
+@dataclass(frozen=True)
 class Setting:
     """What a candidate is, for the estimator: how it shards, checkpoints and casts."""
 
@@ -109,17 +166,74 @@ class Setting:
     param_element_bytes: int  # element size of the stored parameters (4 for fp32)
     device_type: str
     cuda_context_pending: bool
+    shard_degree: int | None = None  # ranks a parameter is sharded over; None: world_size
 
 
-def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:
-    """The per-rank peak of one candidate, broken down at the moment it happens.
+def estimate(
+    stats: ModelStats,
+    profile: ActivationProfile | None,
+    s: Setting,
+    simulated: Simulated | None = None,
+) -> Footprint:
+    """The per-rank peak of one candidate, broken down at the moment it happens: from its
+    simulation when there is one (`from_simulation`), else from formulas (`analytic`)."""
+    if simulated is not None:
+        return from_simulation(stats, profile, s, simulated)
+    return analytic(stats, profile, s)
+
+
+def from_simulation(
+    stats: ModelStats, profile: ActivationProfile | None, s: Setting, sim: Simulated
+) -> Footprint:
+    """The simulated peaks, moved to this candidate's sharding degree and checkpointed blocks.
+
+    Checkpointing the first k blocks frees, at the forward/backward peak, what the activation
+    profile says they save beyond their inputs (plus the recompute peak, `activation_bytes`).
+    The peak is the larger of the two phases. Overheads are what no tensor shows: on CUDA the
+    context, NCCL's buffers and the caching allocator's rounding (ALLOCATOR_MARGIN of tensors).
+    """
+    degree = s.shard_degree or s.world_size
+    ratio = shard_ratio(stats, sim.degree, degree) if s.strategy.sharded else 1.0
+    backward, step = sim.backward.scaled(ratio), sim.step.scaled(ratio)
+    if profile is not None and s.checkpointed:
+        # The trackers file some saved tensors as temporaries (those first seen in backward):
+        # what checkpointing frees comes off the activations first, then the temporaries.
+        freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
+        from_activations = min(freed, backward.activations)
+        backward = replace(
+            backward,
+            activations=backward.activations - from_activations,
+            temporaries=max(0, backward.temporaries - (freed - from_activations)),
+        )
+    if s.strategy == Strategy.CPU_OFFLOAD:  # state lives in host memory, the step runs there
+        backward = replace(backward, params=0, grads=0, optimizer_state=0)
+        step = Phase(0, step.buffers, 0, 0, step.activations, 0, 0)
+    phase = max(backward, step, key=lambda p: sum(getattr(p, f.name) for f in fields(p)))
+    terms = (
+        phase.params + phase.buffers,
+        phase.grads,
+        phase.optimizer_state,
+        phase.activations,
+        phase.comm_buffers,
+        phase.temporaries,
+    )
+    overheads = 0
+    if s.device_type == "cuda":
+        overheads += int(ALLOCATOR_MARGIN * sum(terms))
+        overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
+        overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
+    return Footprint(*terms, overheads)
+
+
+def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:
+    """The per-rank peak of one candidate from formulas, broken down at the moment it happens.
 
     A step has two candidate peaks (steady state, `zero_grad(set_to_none=True)` between steps):
     early in backward, with every activation alive, the gradients resident then and the
     gathered parameters; and at the optimizer step, with activations and gathered parameters
     freed but every gradient and the optimizer's temporaries alive. The larger one is the peak.
     """
-    n = s.world_size if s.strategy.sharded else 1
+    n = (s.shard_degree or s.world_size) if s.strategy.sharded else 1
     # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
     # stage 3 the parameters too. FSDP2 keeps the stored parameter sharded under both; what
     # differs is how much is unsharded at once (comm_buffers).
@@ -148,6 +262,9 @@ def estimate(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     else:
         step_temp = -(-stats.step_temporary_bytes // n)
     step = (params, grads, optimizer_state, 0, 0, step_temp)
+    if s.strategy == Strategy.CPU_OFFLOAD:  # state lives in host memory, the step runs there
+        backward = (0, 0, 0, *backward[3:])
+        step = (0, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
     overheads = int(ALLOCATOR_MARGIN * sum(terms))
     if s.device_type == "cuda":
@@ -182,12 +299,12 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
     Reduce-scatter needs the unsharded gradient of one unit in flight, and its output overlaps
     the next one's: the two largest blocks' worth.
     """
-    if s.strategy not in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+    if not s.strategy.sharded:
         return 0
     element = s.compute_bytes
     two_largest = sum(sorted(stats.block_numel, reverse=True)[:2])
     reduce_scatter = two_largest * s.param_element_bytes
-    if s.strategy == Strategy.SHARD_GRAD_OP:
+    if not s.strategy.reshards:
         return stats.floating_numel * element + reduce_scatter
     gathered = min(stats.root_numel + two_largest, stats.floating_numel)
     return gathered * element + reduce_scatter
@@ -195,3 +312,14 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
 
 def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else param_element_bytes
+
+
+def host_bytes(stats: ModelStats, s: Setting) -> int:
+    """Host memory one rank needs under CPU offload: its shard of parameters, gradients and
+    optimizer state, and the optimizer step's temporaries (the step runs on the CPU)."""
+    if s.strategy != Strategy.CPU_OFFLOAD:
+        return 0
+    n = s.shard_degree or s.world_size
+    temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0
+    state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes + temporaries
+    return -(-state // n)

@@ -3,17 +3,19 @@ gathered into the `PlanInputs` that `_plan.decide` takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard._apply import DTYPES
+from autoshard._apply import DTYPES, shard_module
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
-from autoshard._plan import PlanInputs, hardware_for, strategies_for
+from autoshard._plan import SIMULATED_AS, PlanInputs, hardware_for, strategies_for
+from autoshard._simulate import Setup, simulate_all
+from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, profile_step
 from autoshard._units import human
 from autoshard._validate import Request
@@ -38,6 +40,8 @@ def resolve_mixed_precision(
         return "no", f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
     if requested != "auto":
         return requested, f"mixed precision {requested} requested by the caller"
+    if device.type == "cuda" and not torch.cuda.is_available():  # a what-if plan for GPUs
+        return "bf16", "mixed precision bf16 (auto): planned for GPUs of capability 8.0 or newer"
     if device.type != "cuda":
         if _cpu_has_native_bf16():
             return "bf16", "mixed precision bf16 (auto): this CPU computes bf16 natively (oneDNN)"
@@ -119,6 +123,12 @@ def measure(
     )
 
 
+def usable_host_memory(reports: list[RankReport]) -> int | None:
+    """Host RAM per rank for CPU offload: the least any rank has (None where not measured)."""
+    known = [r.memory.host_free_bytes for r in reports if r.memory.host_free_bytes is not None]
+    return min(known) if len(known) == len(reports) else None
+
+
 def usable_memory(reports: list[RankReport], limit: int | None) -> tuple[int, str]:
     """The usable memory per rank: the least any rank has free, capped by memory_limit."""
     low = min(reports, key=lambda r: r.memory.free_bytes)
@@ -164,7 +174,11 @@ def plan_inputs(
         device_type=device.type,
         cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
     )
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = (
+        torch.cuda.get_device_capability(device)
+        if device.type == "cuda" and torch.cuda.is_available()
+        else None
+    )
     return PlanInputs(
         stats=stats,
         profile=profile,
@@ -207,3 +221,29 @@ def blocks_reason(model: nn.Module, names: list[str]) -> str:
         else "the largest list of same-class children"
     )
     return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+
+
+def with_simulation(
+    inputs: PlanInputs,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    block_names: list[str],
+    batch: Any,
+    loss_fn: LossFn | None,
+    device: torch.device,
+    request: Request,
+    strategies: tuple[Strategy, ...],
+) -> PlanInputs:
+    """`inputs` with every strategy that may be tried simulated (`_simulate`). Inside a job every
+    rank calls this at the same point: the simulations are shared out and gathered."""
+    if batch is None:
+        note = "estimates are analytic: no example_batch to simulate a step with"
+        return replace(inputs, reasons=(*inputs.reasons, note))
+    wanted = tuple(
+        dict.fromkeys(SIMULATED_AS.get(s, s) for s in strategies if request.strategy in (None, s))
+    )
+    setup = Setup(block_names, batch, loss_fn, optimizer, DTYPES[inputs.mixed_precision], device)
+    simulated, note = simulate_all(
+        model, setup, wanted, inputs.stats, inputs.world_size, shard_module
+    )
+    return replace(inputs, simulated=simulated, reasons=(*inputs.reasons, note))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autoshard._estimate import Footprint, ModelStats, Setting, estimate
+from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile
 from autoshard._units import human, table_unit
@@ -22,6 +22,8 @@ class Hardware:
         inter_node_bytes_per_s: collective bus bandwidth across nodes.
         memory_bytes_per_s: device memory bandwidth (FSDP2's copy-in/copy-out of gathered buffers).
         collective_latency_s: fixed cost of launching one collective.
+        host_link_bytes_per_s: host <-> device copies under CPU offload (PCIe).
+        host_memory_bytes_per_s: host memory bandwidth, which bounds the optimizer step on CPU.
     """
 
     flops_per_s: float
@@ -29,6 +31,8 @@ class Hardware:
     inter_node_bytes_per_s: float
     memory_bytes_per_s: float
     collective_latency_s: float
+    host_link_bytes_per_s: float = 2.5e10  # PCIe 4.0 x16, about 80% of 32 GB/s
+    host_memory_bytes_per_s: float = 2e10
 
 
 def hardware_for(
@@ -61,7 +65,9 @@ class Candidate:
         activation_checkpointing: number of blocks checkpointed (the first ones).
         footprint: estimated per-rank peak, by term.
         step_seconds: modelled step time; only its order among candidates matters.
-        fits: the estimated peak is within the usable memory.
+        fits: the estimated peak is within the usable memory (and, under CPU offload,
+            host_bytes within the host memory).
+        host_bytes: host memory per rank under CPU offload, else 0.
     """
 
     strategy: Strategy
@@ -69,6 +75,7 @@ class Candidate:
     footprint: Footprint
     step_seconds: float
     fits: bool
+    host_bytes: int = 0
 
     @property
     def estimated_peak_bytes(self) -> int:
@@ -89,6 +96,12 @@ class PlanInputs:
     num_blocks: int
     mixed_precision: str
     reasons: tuple[str, ...] = ()
+    simulated: dict[Strategy, Simulated] = field(default_factory=dict)  # per strategy, if run
+    host_usable_bytes: int | None = None  # host RAM per rank for CPU offload (None: unknown)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, self.world_size // max(self.num_nodes, 1))
 
 
 @dataclass(frozen=True)
@@ -125,12 +138,20 @@ class Plan:
         return render(self)
 
 
-def strategies_for(world_size: int, distributed: bool) -> tuple[Strategy, ...]:
+def strategies_for(
+    world_size: int, distributed: bool, num_nodes: int = 1, device_type: str = "cpu"
+) -> tuple[Strategy, ...]:
     """The wrappings possible here. Without a process group only LOCAL; with one rank the
-    wrappers work but buy nothing, so auto keeps LOCAL while a forced wrapper is still obeyed."""
-    wrappers = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    wrappers work but buy nothing, so auto keeps LOCAL while a forced wrapper is still obeyed.
+    HYBRID_SHARD needs ranks on more than one node, the same number on each; CPU offload needs a
+    device apart from the host."""
     if not distributed:
         return (Strategy.LOCAL,)
+    wrappers: tuple[Strategy, ...] = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    if 1 < num_nodes < world_size and world_size % num_nodes == 0:
+        wrappers += (Strategy.HYBRID_SHARD,)
+    if device_type == "cuda":
+        wrappers += (Strategy.CPU_OFFLOAD,)
     return (Strategy.LOCAL, *wrappers) if world_size == 1 else wrappers
 
 
@@ -157,20 +178,51 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
     if strategy == Strategy.DDP:
         buckets = max(1, -(-reduced // (25 * 2**20)))  # DDP's default bucket_cap_mb=25
         return max(compute, 2 * reduced * ring / bandwidth) + buckets * hw.collective_latency_s
-    passes = 2 if strategy == Strategy.FULL_SHARD else 1
-    traffic = (passes * gathered + reduced) * ring / bandwidth
+    passes = 2 if strategy.reshards else 1
     copies = 2 * passes * gathered / hw.memory_bytes_per_s
     launches = (passes + 1) * units * hw.collective_latency_s
-    return max(compute, traffic) + copies + launches
+    if strategy == Strategy.HYBRID_SHARD:
+        # all-gathers and reduce-scatters within a node; then each rank all-reduces its gradient
+        # shard (1/ranks_per_node of them) with its peers on the other nodes
+        local = inputs.ranks_per_node
+        local_ring = (local - 1) / local
+        nodes_ring = (inputs.num_nodes - 1) / inputs.num_nodes
+        traffic = (passes * gathered + reduced) * local_ring / hw.intra_node_bytes_per_s
+        traffic += 2 * (reduced / local) * nodes_ring / hw.inter_node_bytes_per_s
+        return max(compute, traffic) + copies + launches + units * hw.collective_latency_s
+    traffic = (passes * gathered + reduced) * ring / bandwidth
+    seconds = max(compute, traffic) + copies + launches
+    if strategy == Strategy.CPU_OFFLOAD:
+        # each unit's shard goes to the device twice (forward, backward), its gradient comes
+        # back, and the optimizer reads and writes parameters, gradients and state on the CPU
+        shard = stats.param_bytes / n
+        seconds += (2 * shard + stats.trainable_bytes / n) / hw.host_link_bytes_per_s
+        state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
+        seconds += 2 * state / n / hw.host_memory_bytes_per_s
+    return seconds
+
+
+# Strategies estimated from another one's simulation: the same FSDP2 step at another sharding
+# degree (HSDP shards within a node) or with the state moved to the host.
+SIMULATED_AS = {
+    Strategy.HYBRID_SHARD: Strategy.FULL_SHARD,
+    Strategy.CPU_OFFLOAD: Strategy.FULL_SHARD,
+}
 
 
 def candidate(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> Candidate:
-    setting = replace(inputs.setting, strategy=strategy, checkpointed=checkpointed)
-    footprint = estimate(inputs.stats, inputs.profile, setting)
-    seconds = step_seconds(inputs, strategy, checkpointed)
-    return Candidate(
-        strategy, checkpointed, footprint, seconds, footprint.peak <= inputs.usable_bytes
+    degree = inputs.ranks_per_node if strategy == Strategy.HYBRID_SHARD else None
+    setting = replace(
+        inputs.setting, strategy=strategy, checkpointed=checkpointed, shard_degree=degree
     )
+    simulated = inputs.simulated.get(SIMULATED_AS.get(strategy, strategy))
+    footprint = estimate(inputs.stats, inputs.profile, setting, simulated)
+    seconds = step_seconds(inputs, strategy, checkpointed)
+    host = host_bytes(inputs.stats, setting)
+    fits = footprint.peak <= inputs.usable_bytes and (
+        inputs.host_usable_bytes is None or host <= inputs.host_usable_bytes
+    )
+    return Candidate(strategy, checkpointed, footprint, seconds, fits, host)
 
 
 def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
@@ -241,6 +293,17 @@ def decide(
             f"strategy LOCAL trains one process unwrapped, but this job has "
             f"{inputs.world_size} ranks; choose 'ddp', 'shard_grad_op', 'full_shard' or 'auto'"
         )
+    if forced_strategy == Strategy.HYBRID_SHARD and forced_strategy not in strategies:
+        raise ValueError(
+            f"strategy HYBRID_SHARD shards within a node and replicates across nodes, but the "
+            f"{inputs.world_size} rank(s) are on {inputs.num_nodes} node(s) (it needs more than "
+            f"one, each with the same number of ranks); use 'full_shard'"
+        )
+    if forced_strategy == Strategy.CPU_OFFLOAD and inputs.setting.device_type != "cuda":
+        raise ValueError(
+            "strategy CPU_OFFLOAD moves state from GPU memory to host memory, but this job "
+            "trains on the CPU already; use 'full_shard'"
+        )
     if forced_strategy is not None and forced_strategy not in strategies:
         raise ValueError(
             f"strategy {forced_strategy} needs a process group; launch with torchrun or "
@@ -271,14 +334,14 @@ def decide(
     else:
         fitting = [c for c in shown if c.fits]
         if not fitting:
-            raise DoesNotFit.from_estimate(inputs, min(shown, key=lambda c: c.estimated_peak_bytes))
+            raise DoesNotFit.from_estimate(inputs, min(shown, key=lambda c: shortfall(inputs, c)))
         chosen = min(fitting, key=lambda c: c.step_seconds)
         reasons.append(_why(chosen, shown))
     return Plan(
         strategy=chosen.strategy,
         mixed_precision=inputs.mixed_precision,
         activation_checkpointing=chosen.activation_checkpointing,
-        cpu_offload=False,
+        cpu_offload=chosen.strategy == Strategy.CPU_OFFLOAD,
         estimated_peak_bytes=chosen.estimated_peak_bytes,
         measured_peak_bytes=None,
         device_memory_bytes=inputs.usable_bytes,
@@ -317,18 +380,40 @@ class DoesNotFit(ValueError):
 
     @classmethod
     def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
-        missing = best.estimated_peak_bytes - inputs.usable_bytes
+        device_missing = best.estimated_peak_bytes - inputs.usable_bytes
+        host_missing = host_shortfall(inputs, best)
         activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
+        if device_missing > 0:
+            need = (
+                f"needs {human(best.estimated_peak_bytes)} per rank but "
+                f"{human(inputs.usable_bytes)} is usable: {human(device_missing)} missing"
+            )
+        else:
+            need = (
+                f"fits the device but needs {human(best.host_bytes)} of host memory per rank for "
+                f"the offloaded state, and {human(inputs.host_usable_bytes or 0)} is available: "
+                f"{human(host_missing)} missing"
+            )
         return cls(
             f"no strategy fits: the most frugal candidate, {best.strategy} with "
-            f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, needs "
-            f"{human(best.estimated_peak_bytes)} per rank but {human(inputs.usable_bytes)} is "
-            f"usable: {human(missing)} missing. Activations are {activation_share:.0%} of that "
-            f"peak (a smaller per-rank batch shrinks them); parameters, gradients and optimizer "
-            f"state shrink with more ranks under FULL_SHARD; or raise memory_limit if it is set "
-            f"below what the device has.",
-            missing,
+            f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
+            f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
+            f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
+            f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
+            f"device has.",
+            max(device_missing, host_missing),
         )
+
+
+def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
+    if inputs.host_usable_bytes is None or not c.host_bytes:
+        return 0
+    return c.host_bytes - inputs.host_usable_bytes
+
+
+def shortfall(inputs: PlanInputs, c: Candidate) -> int:
+    """How far a candidate is from fitting: device or host memory, whichever lacks more."""
+    return max(c.estimated_peak_bytes - inputs.usable_bytes, host_shortfall(inputs, c))
 
 
 _HEADER = (

@@ -21,8 +21,10 @@ from autoshard._inputs import (
     measure,
     plan_inputs,
     resolve_mixed_precision,
+    usable_host_memory,
     usable_memory,
     with_resident,
+    with_simulation,
     worst,
 )
 from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide, strategies_for
@@ -109,8 +111,10 @@ def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception |
         )
 
 
-def _validate(model: Any, optimizer: Any, loss_fn: Any, options: dict[str, Any]) -> Request:
-    check_model(model)
+def _validate(
+    model: Any, optimizer: Any, loss_fn: Any, options: dict[str, Any], allow_meta: bool = False
+) -> Request:
+    check_model(model, allow_meta=allow_meta)
     check_optimizer(model, optimizer)
     return check_request(loss_fn=loss_fn, **options)
 
@@ -259,14 +263,20 @@ def _decide_everywhere(
         example_batch,
         worst([r.measured.profile for r in reports]),
         world.world_size,
-        len({r.host for r in reports}),
+        _nodes(reports, world),
         usable,
         world.device,
         mp,
         [*reasons, usable_reason, measured.trace_note],
     )
     forced_ac = forced_checkpointing(request, len(blocks))
-    strategies = strategies_for(world.world_size, world.distributed)
+    strategies = strategies_for(
+        world.world_size, world.distributed, inputs.num_nodes, world.device.type
+    )
+    inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
+    inputs = with_simulation(
+        inputs, model, optimizer, names, example_batch, loss_fn, world.device, request, strategies
+    )
     plan = replace(
         decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=tuple(unused)
     )
@@ -289,6 +299,8 @@ def plan(
     mixed_precision: str = "auto",
     activation_checkpointing: str | int | bool = "auto",
     memory_limit: int | str | None = None,
+    device: str | None = None,
+    host_memory: int | str | None = None,
 ) -> Plan:
     """Decide only: no process group is needed and nothing is wrapped (what-if planning).
 
@@ -300,6 +312,10 @@ def plan(
         num_nodes: nodes the ranks span (for the bandwidth the cost model assumes).
         device_memory: free memory of each rank's device, bytes or "80GiB" (default: measured
             on this machine).
+        device: "cuda" or "cpu", what the ranks train on (default: this machine's device). A
+            "cuda" plan made without a GPU assumes bf16-capable GPUs (capability 8.0 or newer).
+        host_memory: host RAM per rank for CPU offload, bytes or "64GiB" (default: measured on
+            this machine when it trains on its own GPUs, else not checked).
     """
     request = _validate(
         model,
@@ -312,6 +328,7 @@ def plan(
             memory_limit=memory_limit,
             trial_step=False,
         ),
+        allow_meta=True,
     )
     world = resolve(init=False)
     # Under torchrun or accelerate launch before any process group exists (an Accelerator is
@@ -325,9 +342,14 @@ def plan(
     else:
         free = parse_bytes(device_memory, what="device_memory")
         memory = Memory(free, free, "device_memory given by the caller")
+    target = _target_device(device, world.device)
+    host = None if host_memory is None else parse_bytes(host_memory, what="host_memory")
+    if host is None and target.type == "cuda" and torch.cuda.is_available():
+        host = local_memory(world).host_free_bytes
     names = [name for name, _ in find_blocks(model)]
     blocks = [model.get_submodule(n) for n in names]
-    mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
+    mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target, model)
+    logger.info("tracing one step of the example batch for its activations")
     measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
@@ -342,16 +364,46 @@ def plan(
         size,
         num_nodes,
         usable,
-        world.device,
+        target,
         mp,
         [mp_reason, blocks_reason(model, names), usable_reason, measured.trace_note],
     )
+    inputs = replace(inputs, host_usable_bytes=host)
     forced_ac = forced_checkpointing(request, len(blocks))
-    decided = decide(
-        inputs,
-        strategies_for(size, world_size is not None or world.distributed or job_size > 1),
-        request.strategy,
-        forced_ac,
+    strategies = strategies_for(
+        size, world_size is not None or world.distributed or job_size > 1, num_nodes, target.type
     )
+    if world.distributed and size != world.world_size:
+        note = f"estimates are analytic: a what-if for {size} ranks in a job of {world.world_size}"
+        inputs = replace(inputs, reasons=(*inputs.reasons, note))
+    else:
+        inputs = with_simulation(
+            inputs,
+            model,
+            optimizer,
+            names,
+            example_batch,
+            loss_fn,
+            target if target.type != "cuda" or torch.cuda.is_available() else torch.device("cpu"),
+            request,
+            strategies,
+        )
+    decided = decide(inputs, strategies, request.strategy, forced_ac)
     unused = measured.profile.unused_parameters if measured.profile is not None else ()
     return replace(decided, unused_parameters=unused)
+
+
+def _target_device(device: str | None, here: torch.device) -> torch.device:
+    if device is None:
+        return here
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
+def _nodes(reports: list[RankReport], world: World) -> int:
+    """Nodes the job spans: distinct hosts, or as the launcher laid the ranks out
+    (WORLD_SIZE / LOCAL_WORLD_SIZE), whichever is more."""
+    return max(len({r.host for r in reports}), world.world_size // max(world.local_world_size, 1))

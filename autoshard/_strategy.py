@@ -15,16 +15,30 @@ class Strategy(str, enum.Enum):
     FULL_SHARD: ZeRO-3 with FSDP2 `fully_shard(reshard_after_forward=True)`; parameters are
         resharded after each block's forward and gathered again in backward (about 1.5x the
         traffic of DDP).
+    HYBRID_SHARD: FULL_SHARD within each node, replicated across nodes (HSDP: FSDP2 over a 2-D
+        `DeviceMesh`); parameter traffic stays on the fast intra-node links, and only the sharded
+        gradients cross nodes. A candidate when the ranks span more than one node.
+    CPU_OFFLOAD: FULL_SHARD with FSDP2's `CPUOffloadPolicy`: sharded parameters, gradients and
+        optimizer state live in host memory and the optimizer steps on the CPU. The last rung on
+        GPU, when nothing else fits.
     """
 
     LOCAL = "local"
     DDP = "ddp"
     SHARD_GRAD_OP = "shard_grad_op"
     FULL_SHARD = "full_shard"
+    HYBRID_SHARD = "hybrid_shard"
+    CPU_OFFLOAD = "cpu_offload"
 
     @property
     def sharded(self) -> bool:
-        return self in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+        """Wrapped with FSDP2 `fully_shard`."""
+        return self not in (Strategy.LOCAL, Strategy.DDP)
+
+    @property
+    def reshards(self) -> bool:
+        """Parameters are resharded after each block's forward (ZeRO-3)."""
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD, Strategy.CPU_OFFLOAD)
 
     def __str__(self) -> str:
         return self.name

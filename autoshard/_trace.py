@@ -218,7 +218,9 @@ def _attribution_hooks(
 
 def _device_type(model: nn.Module) -> str:
     param = next(model.parameters(), None)
-    return param.device.type if param is not None else "cpu"
+    if param is None or param.device.type == "meta":  # a what-if model built on meta
+        return "cpu"
+    return param.device.type
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:

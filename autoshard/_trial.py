@@ -222,7 +222,24 @@ def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool
     return problem
 
 
-_ESCALATION = {"local": 0, "ddp": 0, "shard_grad_op": 1, "full_shard": 2}
+# How frugal each wrapping is, for breaking ties between equally large estimates.
+_ESCALATION = {
+    "local": 0,
+    "ddp": 0,
+    "shard_grad_op": 1,
+    "hybrid_shard": 2,
+    "full_shard": 3,
+    "cpu_offload": 4,
+}
+
+
+def reachable(failed: Strategy, to: Strategy) -> bool:
+    """Whether the trial can move from `failed` to `to` in place (`_apply.apply`): unwrapping DDP
+    leaves the module as it was, so anything follows DDP; ZeRO-2 becomes ZeRO-3 in place; an
+    FSDP2 module cannot be re-sharded over another mesh or offloaded afterwards."""
+    if failed in (Strategy.LOCAL, Strategy.DDP) or failed == to:
+        return True
+    return failed == Strategy.SHARD_GRAD_OP and to == Strategy.FULL_SHARD
 
 
 def next_rung(
@@ -245,19 +262,18 @@ def next_rung(
     """
     needed = peak if peak is not None and peak > usable else ABORTED_OVERSHOOT * usable
     shortfall = max(1.0, needed / max(failed.estimated_peak_bytes, 1))
-    level = _ESCALATION[failed.strategy.value]
-    reachable = [
+    rungs = [
         c
         for c in options
-        if _ESCALATION[c.strategy.value] >= level
+        if reachable(failed.strategy, c.strategy)
         and c.activation_checkpointing >= failed.activation_checkpointing
         and (c.strategy.value, c.activation_checkpointing) not in tried
     ]
-    fitting = [c for c in reachable if c.estimated_peak_bytes * shortfall < usable]
+    fitting = [c for c in rungs if c.estimated_peak_bytes * shortfall < usable]
     if fitting:
         return min(fitting, key=lambda c: c.step_seconds)
     return min(
-        reachable,
+        rungs,
         key=lambda c: (
             c.estimated_peak_bytes,
             -_ESCALATION[c.strategy.value],

@@ -26,7 +26,8 @@ class Request:
     memory_limit: int | None
 
 
-def check_model(model: Any) -> None:
+def check_model(model: Any, *, allow_meta: bool = False) -> None:
+    """`allow_meta`: a what-if plan needs only shapes, so a model built on meta will do."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_not_data_parallel(model)
@@ -42,7 +43,7 @@ def check_model(model: Any) -> None:
             f"model {type(model).__name__} has no trainable parameters (none with "
             f"requires_grad=True); there is nothing to train"
         )
-    if any(p.is_meta for p in params):
+    if not allow_meta and any(p.is_meta for p in params):
         raise ValueError(
             "model has parameters on the meta device; materialise them first "
             "(model.to_empty(device=...) and initialise), then call prepare"

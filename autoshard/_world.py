@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -123,20 +123,23 @@ class Memory:
             available divided among this node's ranks (they share it).
         total_bytes: the device's total (host RAM on CPU).
         source: where the figure came from, for the plan's reasons.
+        host_free_bytes: on GPU, the host RAM available divided among this node's ranks (what
+            CPU offload may use); None on CPU, where it is free_bytes itself.
     """
 
     free_bytes: int
     total_bytes: int
     source: str
+    host_free_bytes: int | None = None
 
 
 def local_memory(world: World) -> Memory:
-    if world.device.type == "cuda":
-        return _gpu_memory(world.device)
     import psutil
 
     vm = psutil.virtual_memory()
     share = max(world.local_world_size, 1)
+    if world.device.type == "cuda":
+        return replace(_gpu_memory(world.device), host_free_bytes=vm.available // share)
     source = f"host RAM available (psutil) / {share} rank(s) on this node"
     return Memory(vm.available // share, vm.total // share, source)
 

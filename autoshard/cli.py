@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import logging
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +83,42 @@ def _add_plan_parser(sub: Any) -> None:
         default=None,
         help="memory of one device, bytes or e.g. '80GiB' (default: measured here)",
     )
+    plan.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        help="nodes the ranks span; more than one adds HYBRID_SHARD (default: 1)",
+    )
+    plan.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="what the ranks train on (default: cuda when --device-memory is given, else this "
+        "machine's device)",
+    )
+    plan.add_argument(
+        "--host-memory",
+        type=_size_arg,
+        default=None,
+        help="host RAM per rank for CPU offload, e.g. '64GiB' (default: not checked)",
+    )
+    plan.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help="per-rank batch size, passed to FACTORY(batch_size=...) if it takes it",
+    )
+    plan.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="sequence length, passed to FACTORY(seq_len=...) if it takes it",
+    )
+    plan.add_argument(
+        "--materialize",
+        action="store_true",
+        help="build the model on this machine's memory instead of the meta device",
+    )
     _demo.add_decision_options(plan)
     plan.set_defaults(run=_run_plan, subparser=plan)
 
@@ -120,7 +158,33 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
-def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any, Any]:
+def _call_factory(
+    parser: argparse.ArgumentParser, factory: Any, spec: str, args: argparse.Namespace
+) -> Any:
+    """FACTORY(batch_size=..., seq_len=...) with the sizes given (each only if it takes it),
+    built on the meta device: a 7B model costs no memory, and the trace and the simulation
+    only need shapes."""
+    sizes = {"batch_size": args.batch_size, "seq_len": args.seq_len}
+    try:
+        accepted: Mapping[str, inspect.Parameter] = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in sizes.items() if v is not None and (k in accepted or takes_any)}
+    ignored = [
+        f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None and k not in kwargs
+    ]
+    if ignored:
+        parser.error(f"{spec} takes no {', '.join(ignored)} (add a keyword parameter for it)")
+    if args.materialize:
+        return factory(**kwargs)
+    with torch.device("meta"):
+        return factory(**kwargs)
+
+
+def _load_factory(
+    parser: argparse.ArgumentParser, spec: str, args: argparse.Namespace
+) -> tuple[Any, Any, Any]:
     module_name, _, attr = spec.partition(":")
     # A console script does not put the working directory on sys.path; `python -m` does. Add it
     # so `autoshard plan mymodel:build` finds ./mymodel.py either way.
@@ -133,7 +197,7 @@ def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any,
     factory = getattr(module, attr, None)
     if not callable(factory):
         parser.error(f"module {module_name!r} has no callable {attr!r}")
-    made = factory()
+    made = _call_factory(parser, factory, spec, args)
     if isinstance(made, nn.Module):
         return made, torch.optim.AdamW(made.parameters()), None
     if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
@@ -145,13 +209,18 @@ def _load_factory(parser: argparse.ArgumentParser, spec: str) -> tuple[Any, Any,
 
 
 def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    model, optimizer, batch = _load_factory(parser, args.factory)
+    logging.basicConfig(level=logging.INFO, format="autoshard: %(message)s", stream=sys.stderr)
+    model, optimizer, batch = _load_factory(parser, args.factory, args)
+    device = args.device or ("cuda" if args.device_memory is not None else None)
     try:
         plan = autoshard.plan(
             model,
             optimizer,
             example_batch=batch,
             world_size=args.world_size,
+            num_nodes=args.nodes,
+            device=device,
+            host_memory=args.host_memory,
             device_memory=args.device_memory,
             memory_limit=args.memory_limit,
             strategy=args.strategy,

@@ -34,7 +34,8 @@ RTOL_FP32 = 1e-4
 
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return launch("trial", Path(tmp_path_factory.mktemp("trial")))
+    # ~30 prepare() calls, each simulating its strategies: more than the default allowance
+    return launch("trial", Path(tmp_path_factory.mktemp("trial")), timeout=360)
 
 
 def test_trial_launch_finished_cleanly(trial: Launch) -> None:

@@ -1,0 +1,206 @@
+"""The per-candidate simulation (`_simulate`): two steps of the real FSDP2/DDP wrapping on fake
+tensors over a fake process group, in this one process.
+
+Its terms are checked against formulas written by hand from how FSDP2 and DDP hold memory, as
+PyTorch's own test_fully_shard_memory.py does: the sharded parameters, gradients and Adam state of
+rank 0 (torch.chunk along dim 0 gives it ceil(rows / N) rows), the buffers FSDP2 all-gathers
+(ZeRO-3: the root, the block in backward, the one prefetched and the gradient being
+reduce-scattered; ZeRO-2: every unit stays gathered), DDP's whole-size gradient buckets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard._apply import shard_module
+from autoshard._demo import GPT, GPTConfig
+from autoshard._estimate import Simulated, model_stats, shard_bytes
+from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, simulate_all, unavailable
+from autoshard._strategy import Strategy
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+STRATEGIES = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
+    torch.manual_seed(0)
+    model = MLP()
+    return (
+        model,
+        torch.optim.Adam(model.parameters()),
+        torch.randn(32, 16),
+        ["blocks.0", "blocks.1", "blocks.2"],
+    )
+
+
+def _gpt() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=64, n_layer=4))
+    tokens = torch.randint(0, 256, (4, 33))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    return model, torch.optim.AdamW(model.parameters()), batch, [f"blocks.{i}" for i in range(4)]
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt}
+
+
+@pytest.fixture(scope="module", params=[(m, n) for m in MODELS for n in (2, 4)], ids=str)
+def simulated(
+    request: pytest.FixtureRequest,
+) -> tuple[nn.Module, list[str], int, dict[Strategy, Simulated]]:
+    name, world_size = request.param
+    model, optimizer, batch, names = MODELS[name]()
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    sims, note = simulate_all(model, setup, STRATEGIES, stats, world_size, shard_module)
+    assert set(sims) == set(STRATEGIES), note
+    assert "analytic" not in note
+    return model, names, world_size, sims
+
+
+def _bytes(params: object) -> int:
+    return sum(p.numel() * p.element_size() for p in params)  # type: ignore[attr-defined]
+
+
+def _rank0_shard(model: nn.Module, n: int) -> int:
+    return sum(
+        -(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size()
+        for p in model.parameters()
+    )
+
+
+def test_sharded_state_is_rank0s_chunk(simulated: tuple) -> None:
+    model, _, n, sims = simulated
+    shard = _rank0_shard(model, n)
+    count = len(list(model.parameters()))
+    for strategy in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+        step = sims[strategy].step
+        assert step.params == shard
+        assert step.grads == shard  # every gradient shard exists at the optimizer step
+        # Adam: exp_avg and exp_avg_sq shaped like the shard, and a 4-byte `step` per parameter
+        assert step.optimizer_state == 2 * shard + 4 * count
+        assert sims[strategy].backward.params == shard
+
+
+def test_ddp_holds_everything_and_its_buckets_from_the_start(simulated: tuple) -> None:
+    model, _, _, sims = simulated
+    total = _bytes(model.parameters())
+    count = len(list(model.parameters()))
+    for phase in (sims[Strategy.DDP].backward, sims[Strategy.DDP].step):
+        assert phase.params == total
+        # gradient_as_bucket_view: gradients are DDP's buckets, alive before backward starts
+        assert phase.grads == total
+        assert phase.optimizer_state == 2 * total + 4 * count
+        assert phase.comm_buffers == 0
+
+
+def test_gathered_buffers_follow_fsdp2s_schedule(simulated: tuple) -> None:
+    model, names, n, sims = simulated
+    total = _bytes(model.parameters())
+    block = _bytes(model.get_submodule(names[0]).parameters())
+    root = total - len(names) * block
+    # padding to a multiple of n rows per parameter: at most n - 1 rows of each
+    slack = sum((n - 1) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    # ZeRO-2 keeps every unit gathered from forward to backward, plus one block's unsharded
+    # gradient waiting for its reduce-scatter.
+    zero2 = sims[Strategy.SHARD_GRAD_OP].backward.comm_buffers
+    assert total + block <= zero2 <= total + block + slack
+    # ZeRO-3 at its backward peak: the root (never resharded after forward), the block in
+    # backward and the next one prefetched, and at most one block's gradient being
+    # reduce-scattered (none yet when the peak comes at the head, before the first block).
+    zero3 = sims[Strategy.FULL_SHARD].backward.comm_buffers
+    assert root + 2 * block <= zero3 <= root + 3 * block + slack
+    assert zero3 < zero2
+
+
+def test_depth_is_extended_exactly_for_alike_blocks() -> None:
+    """A 16-block model simulated at 3, 4 and 5 blocks and extended gives the totals of
+    simulating all 16, per phase; where the line does not hold it simulates all of them."""
+    import autoshard._simulate as sim_module
+
+    torch.manual_seed(0)
+    depth = sim_module._MIN_DEPTH_TO_EXTEND
+    model = MLP(width=32, depth=depth)
+    names = [f"blocks.{i}" for i in range(depth)]
+    optimizer = torch.optim.Adam(model.parameters())
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, torch.randn(64, 16), None, optimizer, None, torch.device("cpu"))
+    assert sim_module._shallow_depths(model, names) == (3, 4, 5)
+    extended, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+    original = sim_module._shallow_depths
+    sim_module._shallow_depths = lambda *args: None  # type: ignore[assignment]
+    try:
+        whole, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+    finally:
+        sim_module._shallow_depths = original  # type: ignore[assignment]
+    for strategy in STRATEGIES:
+        got = sim_module._total(extended[strategy].backward)
+        want = sim_module._total(whole[strategy].backward)
+        assert abs(got - want) <= 0.01 * want, (strategy, got, want)
+        # The step's state terms extend exactly. Its temporaries are left out: a whole run of
+        # SHARD_GRAD_OP has shown 40 KB more of them than the same run at 4 or 5 blocks (not
+        # understood; larger only, so the extension errs small there by that much).
+        for term in ("params", "grads", "optimizer_state", "activations"):
+            assert getattr(extended[strategy].step, term) == getattr(whole[strategy].step, term)
+
+
+def test_unlike_blocks_are_simulated_whole() -> None:
+    import autoshard._simulate as sim_module
+
+    model = MLP(depth=16)
+    model.blocks[3] = nn.Sequential(nn.Linear(64, 64))
+    assert sim_module._shallow_depths(model, [f"blocks.{i}" for i in range(16)]) is None
+
+
+def test_model_and_optimizer_untouched() -> None:
+    model, optimizer, batch, names = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+    assert not optimizer.state
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert not torch.distributed.is_initialized()  # the fake group is gone again
+
+
+def test_what_if_at_large_world_size_rescales_to_total_over_n() -> None:
+    """Planned for 64 ranks, simulated on MAX_SIMULATED_DEGREE: with every dim 0 a multiple of
+    64 the per-rank parameters, gradients and state are exactly the totals over 64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(4)))  # 128-row weights and biases
+    optimizer = torch.optim.Adam(model.parameters())
+    plan = autoshard.plan(
+        model, optimizer, torch.randn(4, 128), world_size=64, device_memory="80GiB"
+    )
+    total = _bytes(model.parameters())
+    assert MAX_SIMULATED_DEGREE < 64
+    assert any("simulated steps" in r for r in plan.reasons), plan.reasons
+    for c in plan.candidates:
+        if c.strategy in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+            assert c.footprint.params == total // 64
+        elif c.strategy == Strategy.DDP:
+            assert c.footprint.params == total
+    assert shard_bytes(model_stats(model, [], 0, "", 0), 64) == total // 64
