@@ -14,9 +14,9 @@ from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import SIMULATED_AS, PlanInputs, hardware_for, strategies_for
-from autoshard._simulate import Setup, simulate_all
+from autoshard._simulate import Setup, shallow_copy, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile, profile_step
+from autoshard._trace import ActivationProfile, extended, profile_step
 from autoshard._units import human
 from autoshard._validate import Request
 from autoshard._world import Memory, RankReport
@@ -94,13 +94,24 @@ def measure(
     batch: Any,
     loss_fn: LossFn | None,
     dtype: torch.dtype | None,
+    names: list[str] | None = None,
 ) -> Measured:
+    """Trace one step of `batch`. A deep model of alike blocks is traced with its first
+    _SHALLOW[0] blocks (a module tree sharing the model's tensors) and extended."""
     if batch is None:
         return Measured(
             None, "no example_batch: activations are not estimated and no trial step can run"
         )
     try:
-        profile = profile_step(model, blocks, batch, loss_fn, dtype)
+        if names is not None and shallow_depths(model, names) is not None:
+            depth = shallow_depths(model, names)[0]  # type: ignore[index]
+            shallow, kept = shallow_copy(model, names, depth)
+            traced = [shallow.get_submodule(n) for n in kept]
+            profile = extended(
+                profile_step(shallow, traced, batch, loss_fn, dtype), kept, len(names)
+            )
+        else:
+            profile = profile_step(model, blocks, batch, loss_fn, dtype)
     except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
         return Measured(
             None,
@@ -242,8 +253,30 @@ def with_simulation(
     wanted = tuple(
         dict.fromkeys(SIMULATED_AS.get(s, s) for s in strategies if request.strategy in (None, s))
     )
+    # A strategy whose parameters, gradients and optimizer state alone exceed the usable memory
+    # does not fit whatever its activations: not worth simulating (unless forced).
+    stats = inputs.stats
+    state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
+    hopeless = [
+        s
+        for s in wanted
+        if request.strategy is None
+        and state // (inputs.world_size if s.sharded else 1) > inputs.usable_bytes
+    ]
     setup = Setup(block_names, batch, loss_fn, optimizer, DTYPES[inputs.mixed_precision], device)
     simulated, note = simulate_all(
-        model, setup, wanted, inputs.stats, inputs.world_size, shard_module
+        model,
+        setup,
+        tuple(s for s in wanted if s not in hopeless),
+        inputs.stats,
+        inputs.world_size,
+        shard_module,
     )
-    return replace(inputs, simulated=simulated, reasons=(*inputs.reasons, note))
+    notes = [note]
+    if hopeless:
+        names = ", ".join(str(s) for s in hopeless)
+        notes.append(
+            f"{names} not simulated (estimated by formula): parameters, gradients and "
+            f"optimizer state alone exceed the usable memory"
+        )
+    return replace(inputs, simulated=simulated, reasons=(*inputs.reasons, *notes))

@@ -233,7 +233,7 @@ def _decide_everywhere(
         blocks = [model.get_submodule(n) for n in names]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
         reasons += [mp_reason, blocks_reason(model, names)]
-        measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+        measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
         if measured.user_error is not None:
             own_error = ValueError(measured.user_error)
     reports = agree(
@@ -350,7 +350,7 @@ def plan(
     blocks = [model.get_submodule(n) for n in names]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target, model)
     logger.info("tracing one step of the example batch for its activations")
-    measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp])
+    measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
     report = RankReport(0, "planner", memory, (), None, measured)

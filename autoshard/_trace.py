@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -226,3 +226,31 @@ def _device_type(model: nn.Module) -> str:
 def _param_dtype(model: nn.Module) -> torch.dtype:
     param = next(model.parameters(), None)
     return param.dtype if param is not None else torch.float32
+
+
+def extended(profile: ActivationProfile, block_names: list[str], depth: int) -> ActivationProfile:
+    """The profile of a model of `depth` alike blocks, from one traced with its first few
+    (`block_names`, the traced ones): every later block saves, takes and computes what the last
+    traced one did, its parameters unused where that block's were."""
+    traced = len(profile.block_saved_bytes)
+    extra = depth - traced
+    if extra <= 0:
+        return profile
+    parent, _, last = block_names[traced - 1].rpartition(".")
+    prefix = f"{parent}.{last}." if parent else f"{last}."
+    unused = list(profile.unused_parameters)
+    for name in profile.unused_parameters:
+        if name.startswith(prefix):
+            rest = name[len(prefix) :]
+            unused += [
+                f"{parent}.{i}.{rest}" if parent else f"{i}.{rest}" for i in range(traced, depth)
+            ]
+    return replace(
+        profile,
+        block_saved_bytes=profile.block_saved_bytes + (profile.block_saved_bytes[-1],) * extra,
+        block_input_bytes=profile.block_input_bytes + (profile.block_input_bytes[-1],) * extra,
+        block_forward_flops=profile.block_forward_flops
+        + (profile.block_forward_flops[-1],) * extra,
+        total_forward_flops=profile.total_forward_flops + extra * profile.block_forward_flops[-1],
+        unused_parameters=tuple(unused),
+    )

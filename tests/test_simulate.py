@@ -146,14 +146,14 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     optimizer = torch.optim.Adam(model.parameters())
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, torch.randn(64, 16), None, optimizer, None, torch.device("cpu"))
-    assert sim_module._shallow_depths(model, names) == (3, 4, 5)
+    assert sim_module.shallow_depths(model, names) == (3, 4, 5)
     extended, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
-    original = sim_module._shallow_depths
-    sim_module._shallow_depths = lambda *args: None  # type: ignore[assignment]
+    original = sim_module.shallow_depths
+    sim_module.shallow_depths = lambda *args: None  # type: ignore[assignment]
     try:
         whole, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
     finally:
-        sim_module._shallow_depths = original  # type: ignore[assignment]
+        sim_module.shallow_depths = original  # type: ignore[assignment]
     for strategy in STRATEGIES:
         got = sim_module._total(extended[strategy].backward)
         want = sim_module._total(whole[strategy].backward)
@@ -170,7 +170,7 @@ def test_unlike_blocks_are_simulated_whole() -> None:
 
     model = MLP(depth=16)
     model.blocks[3] = nn.Sequential(nn.Linear(64, 64))
-    assert sim_module._shallow_depths(model, [f"blocks.{i}" for i in range(16)]) is None
+    assert sim_module.shallow_depths(model, [f"blocks.{i}" for i in range(16)]) is None
 
 
 def test_model_and_optimizer_untouched() -> None:
@@ -204,3 +204,19 @@ def test_what_if_at_large_world_size_rescales_to_total_over_n() -> None:
         elif c.strategy == Strategy.DDP:
             assert c.footprint.params == total
     assert shard_bytes(model_stats(model, [], 0, "", 0), 64) == total // 64
+
+
+def test_deep_alike_blocks_are_traced_shallow_and_extended() -> None:
+    """The activation profile of a 16-block model from its first 3 blocks equals tracing all 16
+    (the shallow tree shares the model's tensors: no copy)."""
+    from autoshard._inputs import measure
+    from autoshard._trace import profile_step
+
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=16)
+    names = [f"blocks.{i}" for i in range(16)]
+    blocks = [model.get_submodule(n) for n in names]
+    batch = torch.randn(8, 16)
+    whole = profile_step(model, blocks, batch, None, None)
+    measured = measure(model, blocks, batch, None, None, names)
+    assert measured.profile == whole
