@@ -148,7 +148,7 @@ def strategies_for(
     if not distributed:
         return (Strategy.LOCAL,)
     wrappers: tuple[Strategy, ...] = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
-    if 1 < num_nodes < world_size and world_size % num_nodes == 0:
+    if 1 < num_nodes <= world_size and world_size % num_nodes == 0:
         wrappers += (Strategy.HYBRID_SHARD,)
     if device_type == "cuda":
         wrappers += (Strategy.CPU_OFFLOAD,)

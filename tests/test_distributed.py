@@ -370,3 +370,34 @@ def test_ranks_that_would_run_different_collectives_are_refused_together(
     for r in decide.case(case):
         assert r["raised"] and r["type"] == "ValueError", r
         assert "disagree" in r["message"] and field in r["message"], r
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. HYBRID_SHARD: a 2-D mesh (replicate across "nodes", shard within one), trained for real
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return _run("hybrid", tmp_path_factory)
+
+
+def test_hybrid_launch_finished_cleanly(hybrid: Launch) -> None:
+    if hybrid.timed_out or hybrid.returncode != 0:
+        pytest.fail(hybrid.report("the launch did not finish cleanly"), pytrace=False)
+    hybrid.case("__finished__")
+
+
+def test_hybrid_shard_trains_on_a_2d_mesh_like_one_process(hybrid: Launch) -> None:
+    ranks = hybrid.case("hybrid_forced")
+    for r in ranks:
+        assert r["strategy"] == "hybrid_shard"
+        assert r["optimizer_is_same"]
+        assert r["mesh_shape"] == [2, 1]  # 2 nodes of 1 rank: replicate 2, shard 1
+        assert r["mesh_dims"] == ["replicate", "shard"]
+        assert r["placements"] == ["R", "S(0)"]  # replicated across nodes, dim 0 sharded within
+    assert_close(mean_losses(ranks), hybrid.case("reference")[0]["losses"], RTOL_FP32)
+
+
+def test_ranks_on_two_nodes_make_hybrid_a_candidate(hybrid: Launch) -> None:
+    for r in hybrid.case("auto_offers_hybrid"):
+        assert "hybrid_shard" in r["candidates"]

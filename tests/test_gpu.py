@@ -97,6 +97,10 @@ def test_a_real_oom_under_memory_limit_falls_back_to_more_checkpointing_then_tra
     # Between what full and no checkpointing need (true estimates, taken before the stand-in).
     limit = (estimate(0) + estimate(BLOCKS)) // 2
     monkeypatch.setattr("autoshard._prepare.measure", missing_activations)
+    # ... and no simulation, which would trace the activations again on its own
+    monkeypatch.setattr(
+        "autoshard._inputs.simulate_all", lambda *args, **kwargs: ({}, "not simulated (test)")
+    )
     model, optimizer, plan = autoshard.prepare(
         model, optimizer, batch, mixed_precision="no", memory_limit=limit
     )
@@ -112,3 +116,52 @@ def test_a_real_oom_under_memory_limit_falls_back_to_more_checkpointing_then_tra
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.fixture
+def one_rank_group():  # type: ignore[no-untyped-def]
+    """A one-rank NCCL process group, so the FSDP2 strategies can run on one GPU."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", rank=0, world_size=1, store=store)
+    try:
+        yield
+    finally:
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard", "cpu_offload"])
+def test_each_strategy_trains_and_its_estimate_is_reported_beside_the_measured_peak(
+    strategy: str, one_rank_group: None
+) -> None:
+    model, optimizer, batch = _setup()
+    model, optimizer, plan = autoshard.prepare(
+        model, optimizer, batch, strategy=strategy, mixed_precision="bf16"
+    )
+    assert plan.strategy.value == strategy
+    assert plan.cpu_offload == (strategy == "cpu_offload")
+    if strategy == "cpu_offload":  # the sharded state lives in host memory
+        param = next(model.parameters())
+        assert param.to_local().device.type == "cpu"  # type: ignore[attr-defined]
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        model(batch).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measured = torch.cuda.max_memory_allocated()
+    chosen = next(
+        c
+        for c in plan.candidates
+        if c.strategy == plan.strategy
+        and c.activation_checkpointing == plan.activation_checkpointing
+    )
+    tensors = chosen.estimated_peak_bytes - chosen.footprint.overheads
+    print(
+        f"\n{strategy}: estimated tensors {tensors / 2**20:.1f} MiB, measured allocated "
+        f"{measured / 2**20:.1f} MiB, reserved {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB, "
+        f"error {(tensors - measured) / measured:+.1%}"
+    )

@@ -637,3 +637,124 @@ def test_plan_forcing_a_strategy_what_if(
     )
     assert plan.strategy == Strategy.FULL_SHARD
     assert "strategy FULL_SHARD forced by the caller" in plan.reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-node: HYBRID_SHARD; and CPU offload as the last rung on GPU (what-if plans, no GPU here)
+
+
+def test_two_nodes_of_four_add_hybrid_shard_sharded_within_a_node() -> None:
+    # built on meta: a what-if plan needs only shapes (16M parameters per block, no memory)
+    with torch.device("meta"):
+        model = Tower(width=2048, depth=4)
+        batch = torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=8, num_nodes=2, device="cuda", device_memory="80GiB"
+    )
+    by_strategy = {c.strategy: c for c in plan.candidates}
+    assert Strategy.HYBRID_SHARD in by_strategy
+    # sharded over the 4 ranks of a node, not all 8
+    shard4 = sum(-(-p.shape[0] // 4) * p[0].numel() * p.element_size() for p in model.parameters())
+    shard8 = sum(-(-p.shape[0] // 8) * p[0].numel() * p.element_size() for p in model.parameters())
+    assert by_strategy[Strategy.HYBRID_SHARD].footprint.params == shard4
+    assert by_strategy[Strategy.FULL_SHARD].footprint.params == shard8
+    # parameter traffic stays inside a node: faster than a flat FULL_SHARD across nodes
+    assert (
+        by_strategy[Strategy.HYBRID_SHARD].step_seconds
+        < by_strategy[Strategy.FULL_SHARD].step_seconds
+    )
+
+
+def test_hybrid_is_chosen_over_full_shard_when_only_sharding_fits() -> None:
+    """A model whose state needs sharding: across 2 nodes x 4 HYBRID fits and beats a flat
+    FULL_SHARD (inter-node links are the slow ones)."""
+    with torch.device("meta"):
+        model = Tower(width=2048, depth=4)
+        batch = torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ddp = autoshard.plan(
+        model, optimizer, batch, world_size=8, num_nodes=2, device="cuda", device_memory="80GiB"
+    )
+    ddp_peak = next(c for c in ddp.candidates if c.strategy == Strategy.DDP).estimated_peak_bytes
+    hybrid_peak = next(
+        c for c in ddp.candidates if c.strategy == Strategy.HYBRID_SHARD
+    ).estimated_peak_bytes
+    # a limit between HYBRID's peak and DDP's: DDP does not fit, HYBRID does
+    limit = (ddp_peak + hybrid_peak) // 2
+    plan = autoshard.plan(
+        model,
+        optimizer,
+        batch,
+        world_size=8,
+        num_nodes=2,
+        device="cuda",
+        device_memory="80GiB",
+        memory_limit=limit,
+    )
+    assert plan.strategy == Strategy.HYBRID_SHARD, str(plan)
+
+
+def test_hybrid_needs_more_than_one_node(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    plan = autoshard.plan(model, optimizer, batch, world_size=8, device_memory="80GiB")
+    assert Strategy.HYBRID_SHARD not in {c.strategy for c in plan.candidates}
+    with pytest.raises(ValueError, match="HYBRID_SHARD.*1 node"):
+        autoshard.plan(
+            model, optimizer, batch, world_size=8, device_memory="80GiB", strategy="hybrid_shard"
+        )
+
+
+def test_cpu_offload_is_the_last_rung_on_gpu() -> None:
+    torch.manual_seed(0)
+    model = Tower(width=256, depth=4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4, 8)
+    common = dict(world_size=2, device="cuda", device_memory="80GiB", host_memory="64GiB")
+    free = autoshard.plan(model, optimizer, batch, **common)
+    assert free.strategy != Strategy.CPU_OFFLOAD and not free.cpu_offload
+    offload = next(c for c in free.candidates if c.strategy == Strategy.CPU_OFFLOAD)
+    others = [c for c in free.candidates if c.strategy != Strategy.CPU_OFFLOAD]
+    assert offload.footprint.params == offload.footprint.optimizer_state == 0
+    assert offload.host_bytes > 0
+    assert offload.step_seconds > max(c.step_seconds for c in others)  # PCIe and a CPU step
+    # a device limit only offload fits under
+    limit = (offload.estimated_peak_bytes + min(c.estimated_peak_bytes for c in others)) // 2
+    assert offload.estimated_peak_bytes < limit < min(c.estimated_peak_bytes for c in others)
+    plan = autoshard.plan(model, optimizer, batch, memory_limit=limit, **common)
+    assert plan.strategy == Strategy.CPU_OFFLOAD and plan.cpu_offload
+
+
+def test_does_not_fit_with_offload_says_what_host_memory_is_missing() -> None:
+    torch.manual_seed(0)
+    model = Tower(width=256, depth=4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4, 8)
+    free = autoshard.plan(
+        model, optimizer, batch, world_size=2, device="cuda", device_memory="80GiB"
+    )
+    offload = next(c for c in free.candidates if c.strategy == Strategy.CPU_OFFLOAD)
+    with pytest.raises(DoesNotFit) as caught:
+        autoshard.plan(
+            model,
+            optimizer,
+            batch,
+            world_size=2,
+            device="cuda",
+            device_memory="80GiB",
+            memory_limit=offload.estimated_peak_bytes + 1024,  # offload alone fits the device
+            host_memory=offload.host_bytes // 2,  # but not the host
+        )
+    message = str(caught.value)
+    assert "host memory" in message and "CPU_OFFLOAD" in message
+    assert caught.value.missing_bytes == offload.host_bytes - offload.host_bytes // 2
+
+
+def test_cpu_offload_is_refused_on_cpu(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    model, optimizer, batch = tower
+    with pytest.raises(ValueError, match="CPU_OFFLOAD.*CPU"):
+        autoshard.plan(model, optimizer, batch, world_size=2, device="cpu", strategy="cpu_offload")
