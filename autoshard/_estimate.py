@@ -199,6 +199,13 @@ def from_simulation(
         # The trackers file some saved tensors as temporaries (those first seen in backward):
         # what checkpointing frees comes off the activations first, then the temporaries.
         freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
+        # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
+        # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
+        # copies). Scale what checkpointing frees by how much the simulation saved against it.
+        traced = profile.activation_bytes(0)
+        simulated = backward.activations + backward.temporaries
+        if s.strategy.sharded and 0 < simulated < traced:
+            freed = freed * simulated // traced
         from_activations = min(freed, backward.activations)
         backward = replace(
             backward,

@@ -714,3 +714,75 @@ def test_step_temporaries_follow_the_optimizer_implementation() -> None:
     )
     # unknown: one gradient-sized list, as a foreach step holds
     assert estimate(ModelStats(**base), None, s).temporaries == 100 * mib
+
+
+# ---------------------------------------------------------------------------------------------
+# From a simulation: the simulated phases moved to the candidate (by hand)
+
+
+def _sim_profile() -> ActivationProfile:
+    return ActivationProfile(
+        block_saved_bytes=(50, 90, 70),
+        block_input_bytes=(5, 6, 7),
+        before_saved_bytes=100,
+        after_saved_bytes=1000,
+        largest_saved_bytes=40,
+        block_forward_flops=(1, 1, 1),
+        total_forward_flops=4,
+        compute_dtype=torch.float32,
+    )
+
+
+def _sim_stats() -> ModelStats:
+    # two parameters of 8 rows x 4 fp32 and 3 rows x 4 fp32: 176 bytes
+    return ModelStats(176, 176, 44, (), 352, "", 0, None, ((8, 4, 4), (3, 4, 4)))
+
+
+def test_from_simulation_takes_the_larger_phase_and_frees_checkpointed_activations() -> None:
+    from autoshard._estimate import Phase, Simulated, from_simulation
+
+    backward = Phase(10, 1, 0, 20, activations=1310, comm_buffers=30, temporaries=5)
+    step = Phase(10, 1, 10, 20, activations=0, comm_buffers=0, temporaries=40)
+    sim = Simulated(backward, step, degree=1)
+    prof = _sim_profile()
+    fp = from_simulation(_sim_stats(), prof, setting(Strategy.DDP, 2), sim)
+    assert (fp.params, fp.grads, fp.optimizer_state) == (11, 0, 20)  # params + buffers
+    assert (fp.activations, fp.comm_buffers, fp.temporaries, fp.overheads) == (1310, 30, 5, 0)
+    # one checkpointed block frees what the profile says it saves beyond its input
+    fp1 = from_simulation(_sim_stats(), prof, setting(Strategy.DDP, 2, checkpointed=1), sim)
+    assert fp1.activations == 1310 - (prof.activation_bytes(0) - prof.activation_bytes(1))
+    # checkpointing everything cannot take the peak below the optimizer step's
+    small = Simulated(Phase(10, 1, 0, 20, 200, 0, 0), step, degree=1)
+    fp_all = from_simulation(_sim_stats(), prof, setting(Strategy.DDP, 2, checkpointed=3), small)
+    assert fp_all.peak == 10 + 1 + 10 + 20 + 40
+
+
+def test_from_simulation_rescales_the_shards_to_the_planned_degree() -> None:
+    from autoshard._estimate import Phase, Simulated, from_simulation, shard_bytes
+
+    stats = _sim_stats()
+    at2 = shard_bytes(stats, 2)  # rank 0: 4 of 8 rows and 2 of 3 rows, x 16 bytes
+    assert at2 == (4 + 2) * 16
+    at8 = shard_bytes(stats, 8)  # 1 of 8 rows and 1 of 3 rows
+    assert at8 == (1 + 1) * 16
+    assert shard_bytes(stats, 2, rank=1) == (4 + 1) * 16
+    sim = Simulated(
+        Phase(at2, 0, at2, 2 * at2, 100, 50, 0), Phase(at2, 0, at2, 2 * at2, 0, 0, 7), degree=2
+    )
+    fp = from_simulation(stats, None, setting(Strategy.FULL_SHARD, 8), sim)
+    assert (fp.params, fp.grads, fp.optimizer_state) == (at8, at8, 2 * at8)
+    assert (fp.activations, fp.comm_buffers) == (100, 50)  # not sharded: unchanged
+
+
+def test_from_simulation_under_cpu_offload_keeps_state_off_the_device() -> None:
+    from autoshard._estimate import Phase, Simulated, from_simulation, host_bytes
+
+    stats = _sim_stats()
+    sim = Simulated(Phase(96, 0, 96, 192, 100, 50, 3), Phase(96, 0, 96, 192, 0, 0, 7), degree=2)
+    s = setting(Strategy.CPU_OFFLOAD, 2, device_type="cuda")
+    fp = from_simulation(stats, None, s, sim)
+    assert (fp.params, fp.grads, fp.optimizer_state) == (0, 0, 0)
+    assert (fp.activations, fp.comm_buffers, fp.temporaries) == (100, 50, 3)
+    # the host holds this rank's share of parameters, gradients and optimizer state
+    assert host_bytes(stats, s) == -(-(176 + 176 + 352) // 2)
+    assert host_bytes(stats, setting(Strategy.FULL_SHARD, 2)) == 0
