@@ -25,9 +25,14 @@ from autoshard._plan import Plan
 from autoshard._strategy import Strategy
 from autoshard._world import _cuda
 
-# The FSDP2 strategies accelerate's plugin expresses: ZeRO-3 reshards parameters after forward,
-# ZeRO-2 keeps them gathered until backward.
-_RESHARD_AFTER_FORWARD = {Strategy.FULL_SHARD: True, Strategy.SHARD_GRAD_OP: False}
+# The FSDP2 strategies accelerate's plugin expresses: ZeRO-3 (and its CPU-offloaded form)
+# reshards parameters after forward, ZeRO-2 keeps them gathered until backward. HYBRID_SHARD
+# needs accelerate's ParallelismConfig over nodes, which the Plan does not carry.
+_RESHARD_AFTER_FORWARD = {
+    Strategy.FULL_SHARD: True,
+    Strategy.SHARD_GRAD_OP: False,
+    Strategy.CPU_OFFLOAD: True,
+}
 
 
 def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
@@ -42,8 +47,9 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
 
     Returns:
         A dict with `mixed_precision` ("bf16", "fp16" or "no"), and:
-        - FULL_SHARD / SHARD_GRAD_OP: `fsdp_plugin`, a `FullyShardedDataParallelPlugin` with
-          `fsdp_version=2`, `reshard_after_forward` True (ZeRO-3) / False (ZeRO-2),
+        - FULL_SHARD / SHARD_GRAD_OP / CPU_OFFLOAD: `fsdp_plugin`, a
+          `FullyShardedDataParallelPlugin` with `fsdp_version=2`, `reshard_after_forward` True
+          (ZeRO-3, and CPU offload) / False (ZeRO-2), `cpu_offload` (True for CPU_OFFLOAD),
           `mixed_precision_policy` (compute dtype, fp32 gradient reduction), `auto_wrap_policy`
           "transformer_based_wrap" on the block classes, and `activation_checkpointing` True when
           the plan checkpoints any block. accelerate checkpoints every block or none, so a plan
@@ -77,7 +83,9 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
         if plan.strategy not in _RESHARD_AFTER_FORWARD:
             raise ValueError(
                 f"the plan chose {plan.strategy}, which accelerate_kwargs does not express in "
-                f"accelerate's configuration yet; train with autoshard.prepare instead"
+                f"accelerate's configuration yet (accelerate shards over nodes with "
+                f"ParallelismConfig(dp_replicate_size=<nodes>, dp_shard_size=<ranks per node>)); "
+                f"train with autoshard.prepare instead"
             )
         kwargs["fsdp_plugin"] = fsdp_plugin(plan, model, blocks)
         if 0 < plan.activation_checkpointing < plan.num_blocks:

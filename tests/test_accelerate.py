@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,23 @@ def test_sharded_plan_is_an_fsdp2_plugin(strategy: str, reshard: bool) -> None:
     assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     assert kwargs["mixed_precision"] == "no"
     assert "kwargs_handlers" not in kwargs
+
+
+def test_cpu_offload_plan_is_the_plugin_with_cpu_offload() -> None:
+    plan, model = _plan(strategy="full_shard")
+    # CPU_OFFLOAD is a candidate only on CUDA: the same plan as it would come out there
+    plan = replace(plan, strategy=autoshard.Strategy.CPU_OFFLOAD, cpu_offload=True)
+    kwargs, _ = _kwargs(plan, model)
+    plugin = kwargs["fsdp_plugin"]
+    assert plugin.reshard_after_forward is True
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+
+
+def test_hybrid_shard_plan_is_refused_with_what_accelerate_needs() -> None:
+    plan, model = _plan(strategy="full_shard")
+    plan = replace(plan, strategy=autoshard.Strategy.HYBRID_SHARD)
+    with pytest.raises(ValueError, match="HYBRID_SHARD.*ParallelismConfig.*autoshard.prepare"):
+        autoshard.accelerate_kwargs(plan, model)
 
 
 @pytest.mark.parametrize(("mp", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
