@@ -1,0 +1,183 @@
+"""benchmarks/estimate_accuracy.py: the allocator measurement it rests on, then the harness itself
+under real torchrun (2 gloo ranks) on gpt and mlp with every strategy, held to the accuracy
+target: every configuration's predicted peak within 8% of the allocator's measured peak."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import pytest
+from _dist import REPO, run_torchrun
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _live_bytes import Allocation, AllocatorProfile, corrected_deltas, running_peak  # noqa: E402
+
+WORST_TARGET = 0.08  # the issue's target for every configuration
+# About 30 s on 2 idle cores (6 configurations); the limit turns a hang into a failure.
+TIMEOUT_S = 150
+STRATEGIES = ("ddp", "shard_grad_op", "full_shard")
+MODELS = ("gpt", "mlp")
+
+ROW_FIELDS = {
+    "model",
+    "world_size",
+    "strategy",
+    "mixed_precision",
+    "checkpointed",
+    "num_blocks",
+    "predicted_bytes",
+    "allocator_peak_bytes",
+    "allocator_raw_peak_bytes",
+    "tracker_peak_bytes",
+    "errors",
+    "error",
+    "worst_rank",
+    "breakdown",
+    "window",
+    "clean",
+    "attempts",
+}
+BREAKDOWN = {"params", "grads", "optimizer_state", "activations", "comm_buffers", "temporaries"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurement, without a process group
+
+
+def test_running_peak_is_taken_inside_the_window_only() -> None:
+    deltas = [(0, 100), (10, 50), (20, -120), (30, 400), (40, -400), (50, 900)]
+    # totals: 100, 150, 30, 430, 30, 930; the window [15, 45] sees 30 at its start, then 430
+    assert running_peak(deltas, 15, 45) == (430, 150, 30)
+    assert running_peak(deltas, 41, 45) == (30, 30, 41)  # no event inside: the total at start
+
+
+def test_unreported_frees_are_inferred_and_older_blocks_ignored() -> None:
+    allocations = [
+        Allocation(0, ptr=1, nbytes=100),  # the model: retained by whoever holds it
+        Allocation(10, ptr=2, nbytes=40, freed_by=15),  # a collective's buffer, free unreported
+        Allocation(20, ptr=3, nbytes=30),  # freed unreported, then its address is reused
+        Allocation(30, ptr=3, nbytes=30),
+        Allocation(35, ptr=9, nbytes=-70),  # a block from before the profile
+        Allocation(40, ptr=3, nbytes=-30),
+        Allocation(50, ptr=4, nbytes=5),  # never freed: leaked
+    ]
+    fixed = corrected_deltas(allocations, known=frozenset({1}))
+    assert fixed.missed_frees == (2, 70)
+    assert fixed.retained == (1, 100)
+    assert fixed.leaked == (1, 5)
+    assert fixed.foreign_frees == (1, 70)
+    # live: 100; +40 = 140 at 10; -40 at 15; +30 at 20; reuse at 30: -30 then +30; -30 at 40
+    assert running_peak(fixed.deltas, 0, 100)[0] == 140
+    assert sum(d for _, d in fixed.deltas) == 105
+
+
+def test_allocator_peak_matches_memtracker_on_a_plain_module() -> None:
+    """DESIGN.md section 3: on one process, with no C++-side buffers, the profiler's running
+    total (started before the model exists) and MemTracker agree to the byte."""
+    import zoo
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step(built: zoo.ZooModel) -> None:
+        loss = built.loss_fn(built.model(*built.batch), built.batch)
+        loss.backward()
+        built.optimizer.step()
+        built.optimizer.zero_grad(set_to_none=True)
+
+    gc.collect()
+    with AllocatorProfile() as prof:
+        built = zoo.build("gpt", 4, n_layer=2)
+        step(built)  # the optimizer state exists from here on
+        tracker = MemTracker()
+        tracker.track_external(built.model, built.optimizer, *built.batch)
+        with prof.window("measured"), tracker:
+            step(built)
+        tracked = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        del built, tracker
+        gc.collect()
+    live = prof.live_bytes("measured")
+    assert tracked > 0
+    assert live.peak == tracked
+    assert live.missed_frees == (0, 0)  # one thread: every free is reported
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness under torchrun
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
+    returncode, output, timed_out = run_torchrun(
+        REPO / "benchmarks" / "estimate_accuracy.py",
+        "--models",
+        ",".join(MODELS),
+        "--strategies",
+        ",".join(STRATEGIES),
+        "--mixed-precision",
+        "no",
+        "--ac",
+        "off",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--retries",
+        "1",
+        "--json",
+        str(out),
+        timeout=TIMEOUT_S,
+    )
+    if timed_out:
+        pytest.fail(f"estimate_accuracy.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}")
+    if returncode != 0:
+        pytest.fail(f"estimate_accuracy.py exited with {returncode}:\n{output[-4000:]}")
+    data = json.loads(out.read_text())
+    data["stdout"] = output
+    return data
+
+
+@pytest.mark.dist
+def test_a_row_per_model_and_strategy(result: dict) -> None:
+    seen = sorted((r["model"], r["strategy"]) for r in result["rows"])
+    assert seen == sorted((m, s) for m in MODELS for s in STRATEGIES)
+    assert result["machine"]["world_size"] == 2
+
+
+@pytest.mark.dist
+def test_every_row_has_every_figure(result: dict) -> None:
+    for row in result["rows"]:
+        assert row["error_message"] is None, row["error_message"]
+        assert ROW_FIELDS <= row.keys(), ROW_FIELDS - row.keys()
+        assert BREAKDOWN <= row["breakdown"].keys()
+        assert row["mixed_precision"] == "no" and row["checkpointed"] == 0
+        for key in ("predicted_bytes", "allocator_peak_bytes", "tracker_peak_bytes", "errors"):
+            assert len(row[key]) == 2, key
+        # the allocator sees every tensor the tracker sees, and more (kernels' scratch memory)
+        for allocator, tracker in zip(
+            row["allocator_peak_bytes"], row["tracker_peak_bytes"], strict=True
+        ):
+            assert allocator >= 0.99 * tracker > 0
+        assert row["error"] == row["errors"][row["worst_rank"]]
+
+
+@pytest.mark.dist
+def test_stdout_has_the_table_and_the_summary(result: dict) -> None:
+    assert "| model | world | strategy | mp | AC | predicted MiB |" in result["stdout"]
+    assert "median |error|" in result["stdout"] and "worst |error|" in result["stdout"]
+    assert {"median_abs_error", "worst_abs_error"} <= result["summary"].keys()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_estimate_within_target(result: dict, model: str, strategy: str) -> None:
+    row = next(r for r in result["rows"] if r["model"] == model and r["strategy"] == strategy)
+    predicted = row["predicted_bytes"][row["worst_rank"]] / 2**20
+    measured = row["allocator_peak_bytes"][row["worst_rank"]] / 2**20
+    assert abs(row["error"]) <= WORST_TARGET, (
+        f"{model} {strategy}: predicted {predicted:.1f} MiB, allocator peak {measured:.1f} MiB "
+        f"({100 * row['error']:+.1f}%, target within {100 * WORST_TARGET:g}%); "
+        f"breakdown {row['breakdown']}"
+    )
