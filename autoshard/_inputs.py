@@ -244,9 +244,11 @@ def with_simulation(
     device: torch.device,
     request: Request,
     strategies: tuple[Strategy, ...],
+    shared: bool = False,
 ) -> PlanInputs:
-    """`inputs` with every strategy that may be tried simulated (`_simulate`). Inside a job every
-    rank calls this at the same point: the simulations are shared out and gathered."""
+    """`inputs` with every strategy that may be tried simulated (`_simulate`). With `shared`
+    (inside a job, from `prepare`) every rank calls this at the same point: the simulations are
+    shared out and gathered."""
     if batch is None:
         note = "estimates are analytic: no example_batch to simulate a step with"
         return replace(inputs, reasons=(*inputs.reasons, note))
@@ -271,6 +273,7 @@ def with_simulation(
         inputs.stats,
         inputs.world_size,
         shard_module,
+        shared=shared,
     )
     notes = [note]
     if hopeless:

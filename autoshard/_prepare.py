@@ -275,7 +275,16 @@ def _decide_everywhere(
     )
     inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
     inputs = with_simulation(
-        inputs, model, optimizer, names, example_batch, loss_fn, world.device, request, strategies
+        inputs,
+        model,
+        optimizer,
+        names,
+        example_batch,
+        loss_fn,
+        world.device,
+        request,
+        strategies,
+        shared=True,
     )
     plan = replace(
         decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=tuple(unused)

@@ -103,7 +103,9 @@ def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError("a fake group inside a job has the job's size")
-        group = dist.new_group(backend="fake")
+        # use_local_synchronization: a hashed name, no global group counter moved, nothing
+        # exchanged: safe where only some ranks call it (a plan() on rank 0)
+        group = dist.new_group(backend="fake", use_local_synchronization=True)
         try:
             yield DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
         finally:
@@ -396,14 +398,18 @@ def simulate_all(
     world_size: int,
     shard: Callable[..., None],
     progress: Progress | None = None,
+    *,
+    shared: bool = False,
 ) -> tuple[dict[Strategy, Simulated], str]:
     """Simulate each strategy; returns the simulations (as rank 0 sees them: its shard is the
     largest) and a note for the plan's reasons.
 
-    Inside a job every rank must call this at the same point: the strategies are shared out
-    among the ranks, each simulates its own at the real world size, and one `all_gather_object`
-    gives every rank the same results. A what-if plan simulates all of them here, on at most
-    MAX_SIMULATED_DEGREE fake ranks, and the estimate rescales. A strategy whose simulation
+    Inside a job, with `shared` (`prepare`), every rank must call this at the same point: the
+    strategies are shared out among the ranks, each simulates its own at the real world size,
+    and one `all_gather_object` gives every rank the same results. Without `shared` (`plan`, which
+    may run on one rank only) nothing is exchanged: this rank simulates every strategy. Outside
+    a job a fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate
+    rescales. A strategy whose simulation
     fails (an optimizer that cannot be rebuilt on fake parameters, an operation fake tensors do
     not support) is left to the analytic estimate, and the note says so.
     """
@@ -413,7 +419,8 @@ def simulate_all(
     in_job = dist.is_initialized()
     rank = dist.get_rank() if in_job else 0
     size = world_size if in_job else min(world_size, MAX_SIMULATED_DEGREE)
-    mine = [s for i, s in enumerate(strategies) if not in_job or i % size == rank]
+    shared = shared and in_job
+    mine = [s for i, s in enumerate(strategies) if not shared or i % size == rank]
     results: dict[Strategy, Simulated] = {}
     failures: dict[Strategy, str] = {}
     started = time.perf_counter()
@@ -436,14 +443,14 @@ def simulate_all(
             results[strategy] = _as_rank0(simulated, stats, strategy, rank)
     finally:
         context.__exit__(None, None, None)
-    if in_job:
-        shared: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shared, (results, failures))
-        for theirs, failed in shared:
+    if shared:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (results, failures))
+        for theirs, failed in gathered:
             results.update(theirs)
             failures.update(failed)
     seconds = time.perf_counter() - started
-    shared_out = f", shared out among {size} ranks" if in_job and size > 1 else ""
+    shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
     note = (
         f"estimates from simulated steps on fake tensors at {size} rank(s) "
         f"({seconds:.1f}s{shared_out})"
