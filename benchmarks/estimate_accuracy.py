@@ -466,6 +466,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def launch_each(args: argparse.Namespace, argv: list[str]) -> int:
     """Run this script under torchrun once per world size, then merge the rows."""
     rows: list[dict[str, Any]] = []
+    machines: dict[int, Any] = {}
     child = _drop_values(argv, ("--world-sizes", "--json"))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -477,9 +478,11 @@ def launch_each(args: argparse.Namespace, argv: list[str]) -> int:
             if subprocess.run(command, env=env).returncode != 0 or not path.exists():
                 print(f"world size {world} failed", file=sys.stderr)
                 return 1
-            rows += json.loads(path.read_text())["rows"]
+            child_result = json.loads(path.read_text())
+            rows += child_result["rows"]
+            machines[world] = child_result["machine"]  # as the ranks saw it: group, threads
     print(f"\n## All world sizes ({args.world_sizes})")
-    report(rows, {**vars(args), "json": str(args.json)}, args.json)
+    report(rows, {**vars(args), "json": str(args.json), "machines": machines}, args.json)
     return 0
 
 
