@@ -205,6 +205,25 @@ def shard_module(
     # between blocks. A loss computed inside forward (Hugging Face style) runs in param_dtype.
     inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
+    if dtype is not None:
+        # Batch norm keeps its running statistics in fp32, and its kernel wants input, weight and
+        # statistics in one dtype: cast to param_dtype it fails ("expected scalar type BFloat16
+        # but found Float"). As autocast does, it runs in fp32: each one its own FSDP2 unit that
+        # keeps fp32 parameters, takes its input in fp32 and hands its output back in dtype.
+        norm = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype
+        )
+        for sub in module.modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and any(
+                True for _ in sub.parameters(recurse=False)
+            ):
+                fully_shard(
+                    sub,
+                    mesh=mesh,
+                    reshard_after_forward=reshard,
+                    mp_policy=norm,
+                    offload_policy=offload,
+                )
     for name in block_names:
         fully_shard(
             module.get_submodule(name),

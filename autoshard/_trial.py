@@ -29,6 +29,7 @@ from autoshard._agree import (
 from autoshard._apply import Wrapping, apply, ddp, sync_from_rank0
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
+from autoshard._meter import LiveBytes, held_tensors
 from autoshard._plan import Attempt, Candidate
 from autoshard._snapshot import restore, take_snapshot
 from autoshard._strategy import Strategy
@@ -108,8 +109,8 @@ def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
 def _peak_meter(
     wrapping: Wrapping, optimizer: torch.optim.Optimizer, box: list[int | None]
 ) -> Iterator[Callable[[], None]]:
-    """Measure the step's peak: the CUDA allocator's, or on CPU the tensor bytes torch's
-    MemTracker sees (it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
+    """Measure the step's peak: the CUDA allocator's, or on CPU the live tensor bytes
+    (`_meter.LiveBytes`: it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
     device = wrapping.world.device
     if device.type == "cuda":
         # Only what this training holds counts: other tensors of the process (a teacher model, a
@@ -123,16 +124,12 @@ def _peak_meter(
         finally:
             box[0] = torch.cuda.max_memory_allocated(device) - max(unrelated, 0)
         return
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(wrapping.module, optimizer)
+    meter = LiveBytes(held_tensors(wrapping.module, optimizer))
     try:
-        with tracker:
-            # Its per-module stats refuse a second iteration; the global peak is kept.
-            yield tracker.reset_mod_stats
+        with meter:
+            yield lambda: None
     finally:
-        box[0] = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
+        box[0] = meter.peak
 
 
 @contextlib.contextmanager

@@ -401,3 +401,16 @@ def test_hybrid_shard_trains_on_a_2d_mesh_like_one_process(hybrid: Launch) -> No
 def test_ranks_on_two_nodes_make_hybrid_a_candidate(hybrid: Launch) -> None:
     for r in hybrid.case("auto_offers_hybrid"):
         assert "hybrid_shard" in r["candidates"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Batch norm under FSDP2 bf16: the norms run in fp32 as under autocast (else the step fails)
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_batchnorm_trains_under_fsdp2_bf16(decide: Launch, strategy: str) -> None:
+    for r in decide.case(f"batchnorm_bf16_{strategy}"):
+        assert r["strategy"] == strategy
+        assert r["norm_stats_dtype"] == "torch.float32"
+        assert all(math.isfinite(v) for v in r["losses"])
+        assert r["losses"][-1] < r["losses"][0]

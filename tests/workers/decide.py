@@ -249,6 +249,69 @@ def ddp_with_parameters_that_get_no_gradient() -> dict[str, Any]:
     }
 
 
+class _ConvNet(nn.Module):
+    """Convolutions with batch norm in repeated blocks: under FSDP2 mixed precision the norms
+    must stay fp32 (their running statistics are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            for _ in range(2)
+        )
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: Any = None) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def _batchnorm_bf16(strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _ConvNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank())
+    images, labels = torch.randn(4, 3, 8, 8, generator=g), torch.randint(3, (4,), generator=g)
+
+    def loss_fn(output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.float(), batch[1])
+
+    wrapped, _, plan = autoshard.prepare(
+        model,
+        optimizer,
+        (images, labels),
+        loss_fn=loss_fn,
+        strategy=strategy,
+        mixed_precision="bf16",
+    )
+    losses = []
+    for _ in range(3):
+        loss = loss_fn(wrapped(images), (images, labels))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    return {
+        "strategy": plan.strategy.value,
+        "losses": losses,
+        "norm_stats_dtype": str(norm.running_mean.dtype),
+    }
+
+
+@cases.case
+def batchnorm_bf16_full_shard() -> dict[str, Any]:
+    return _batchnorm_bf16("full_shard")
+
+
+@cases.case
+def batchnorm_bf16_shard_grad_op() -> dict[str, Any]:
+    return _batchnorm_bf16("shard_grad_op")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     cases.main()
