@@ -86,7 +86,7 @@ class LiveBytes(TorchDispatchMode):
                 tracker._resized(storage)
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         super().__enter__()
         return self
 
