@@ -153,6 +153,8 @@ class Simulated:
     backward: Phase
     step: Phase
     degree: int
+    # the forward/backward peak with every block checkpointed, where that was simulated too
+    checkpointed_backward: Phase | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,14 @@ def from_simulation(
     degree = s.shard_degree or s.world_size
     ratio = shard_ratio(stats, sim.degree, degree) if s.strategy.sharded else 1.0
     backward, step = sim.backward.scaled(ratio), sim.step.scaled(ratio)
-    if profile is not None and s.checkpointed:
+    every = sim.checkpointed_backward.scaled(ratio) if sim.checkpointed_backward else None
+    if (
+        every is not None
+        and profile is not None
+        and s.checkpointed >= len(profile.block_saved_bytes)
+    ):
+        backward = every  # simulated as it is
+    elif profile is not None and s.checkpointed:
         # The trackers file some saved tensors as temporaries (those first seen in backward):
         # what checkpointing frees comes off the activations first, then the temporaries.
         freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
@@ -212,10 +221,15 @@ def from_simulation(
             activations=backward.activations - from_activations,
             temporaries=max(0, backward.temporaries - (freed - from_activations)),
         )
+        # Checkpointing moves the peak later into backward, where gradients have accumulated
+        # and recomputed blocks are gathered: never below the peak with every block checkpointed
+        # (fewer checkpointed blocks only keep more alive).
+        if every is not None and _sum(every) > _sum(backward):
+            backward = every
     if s.strategy == Strategy.CPU_OFFLOAD:  # state lives in host memory, the step runs there
         backward = replace(backward, params=0, grads=0, optimizer_state=0)
         step = Phase(0, step.buffers, 0, 0, step.activations, 0, 0)
-    phase = max(backward, step, key=lambda p: sum(getattr(p, f.name) for f in fields(p)))
+    phase = max(backward, step, key=_sum)
     terms = (
         phase.params + phase.buffers,
         phase.grads,
@@ -230,6 +244,10 @@ def from_simulation(
         overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
         overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
     return Footprint(*terms, overheads)
+
+
+def _sum(phase: Phase) -> int:
+    return sum(getattr(phase, f.name) for f in fields(phase))
 
 
 def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:

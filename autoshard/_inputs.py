@@ -13,7 +13,7 @@ from autoshard._apply import DTYPES, shard_module
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
-from autoshard._plan import SIMULATED_AS, PlanInputs, hardware_for, strategies_for
+from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
 from autoshard._simulate import Setup, shallow_copy, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, extended, profile_step
@@ -276,6 +276,35 @@ def with_simulation(
         shared=shared,
     )
     notes = [note]
+    # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
+    # misses: where checkpointed candidates matter (forced, or the unchecked one does not fit),
+    # the strategy is simulated again with every block checkpointed.
+    inputs = replace(inputs, simulated=simulated)
+    ac = request.activation_checkpointing
+    if inputs.num_blocks and ac != 0:
+        again = tuple(
+            dict.fromkeys(
+                SIMULATED_AS.get(s, s)
+                for s in strategies
+                if request.strategy in (None, s)
+                and SIMULATED_AS.get(s, s) in simulated
+                and (ac is not None or not candidate(inputs, s, 0).fits)
+            )
+        )
+        if again:  # decided from agreed data: the same on every rank of a job
+            setup = replace(setup, checkpoint_all=True)
+            checkpointed, ac_note = simulate_all(
+                model, setup, again, inputs.stats, inputs.world_size, shard_module, shared=shared
+            )
+            simulated = {
+                s: replace(sim, checkpointed_backward=checkpointed[s].backward)
+                if s in checkpointed
+                else sim
+                for s, sim in simulated.items()
+            }
+            if again:
+                names = ", ".join(str(s) for s in again)
+                notes.append(f"with every block checkpointed, {names}: {ac_note}")
     if hopeless:
         names = ", ".join(str(s) for s in hopeless)
         notes.append(

@@ -68,6 +68,7 @@ class Setup:
     dtype: torch.dtype | None  # mixed-precision compute dtype
     device: torch.device
     find_unused: bool = False
+    checkpoint_all: bool = False  # every block activation-checkpointed, as `_apply` does it
 
 
 def unavailable() -> str | None:
@@ -203,6 +204,11 @@ def _run(
     fake, names = _fake_copy(model, mode, setup.device, setup.block_names, depth)
     with mode:
         batch = tree_map(lambda x: _fake_tensor(mode, x, setup.device), setup.batch)
+        if setup.checkpoint_all:
+            from torch.distributed._composable import checkpoint
+
+            for name in names:
+                checkpoint(fake.get_submodule(name))
         if strategy.sharded:
             shard(fake, names, mesh, strategy, setup.dtype)
         optimizer = _fake_optimizer(setup.optimizer, model, fake)
