@@ -282,13 +282,17 @@ def with_simulation(
     inputs = replace(inputs, simulated=simulated)
     ac = request.activation_checkpointing
     if inputs.num_blocks and ac != 0:
+        # Under auto, checkpointing a strategy matters only where its unchecked candidate does
+        # not fit and it could still be the fastest (checkpointing only adds time): faster than
+        # the fastest unchecked candidate that fits.
+        plain = [candidate(inputs, s, 0) for s in strategies if request.strategy in (None, s)]
+        fastest = min((c.step_seconds for c in plain if c.fits), default=float("inf"))
         again = tuple(
             dict.fromkeys(
-                SIMULATED_AS.get(s, s)
-                for s in strategies
-                if request.strategy in (None, s)
-                and SIMULATED_AS.get(s, s) in simulated
-                and (ac is not None or not candidate(inputs, s, 0).fits)
+                SIMULATED_AS.get(c.strategy, c.strategy)
+                for c in plain
+                if SIMULATED_AS.get(c.strategy, c.strategy) in simulated
+                and (ac is not None or (not c.fits and c.step_seconds < fastest))
             )
         )
         if again:  # decided from agreed data: the same on every rank of a job
