@@ -415,9 +415,9 @@ def simulate_all(
     and one `all_gather_object` gives every rank the same results. Without `shared` (`plan`, which
     may run on one rank only) nothing is exchanged: this rank simulates every strategy. Outside
     a job a fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate
-    rescales. A strategy whose simulation
-    fails (an optimizer that cannot be rebuilt on fake parameters, an operation fake tensors do
-    not support) is left to the analytic estimate, and the note says so.
+    rescales. A strategy whose simulation fails (an optimizer that cannot be rebuilt on fake
+    parameters, an operation fake tensors do not support) is left to the analytic estimate, and
+    the note says so.
     """
     reason = unavailable()
     if reason is not None:
