@@ -54,8 +54,6 @@ _MIN_DEPTH_TO_EXTEND = 16
 # How far the third depth may lie off the line through the first two (of its total).
 _LINEARITY_TOLERANCE = 0.01
 
-Progress = Callable[[str], None]
-
 
 @dataclass(frozen=True)
 class Setup:
@@ -67,7 +65,6 @@ class Setup:
     optimizer: torch.optim.Optimizer
     dtype: torch.dtype | None  # mixed-precision compute dtype
     device: torch.device
-    find_unused: bool = False
     checkpoint_all: bool = False  # every block activation-checkpointed, as `_apply` does it
 
 
@@ -403,7 +400,6 @@ def simulate_all(
     stats: ModelStats,
     world_size: int,
     shard: Callable[..., None],
-    progress: Progress | None = None,
     *,
     shared: bool = False,
 ) -> tuple[dict[Strategy, Simulated], str]:
@@ -438,7 +434,7 @@ def simulate_all(
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
         for strategy in mine:
-            report = progress or (logger.debug if in_job else logger.info)
+            report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             report(f"simulating two steps of {strategy} at {size} rank(s) on fake tensors")
             try:
                 simulated = simulate(model, setup, strategy, mesh, shard)
