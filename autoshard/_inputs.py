@@ -265,7 +265,10 @@ def with_simulation(
         if request.strategy is None
         and state // (inputs.world_size if s.sharded else 1) > inputs.usable_bytes
     ]
-    setup = Setup(block_names, batch, loss_fn, optimizer, DTYPES[inputs.mixed_precision], device)
+    # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
+    here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
+    dtype = DTYPES[inputs.mixed_precision]
+    setup = Setup(block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device)
     simulated, note = simulate_all(
         model,
         setup,

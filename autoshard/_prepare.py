@@ -393,7 +393,7 @@ def plan(
             names,
             example_batch,
             loss_fn,
-            target if target.type != "cuda" or torch.cuda.is_available() else torch.device("cpu"),
+            target,
             request,
             strategies,
         )

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from autoshard._batch import LossFn, call_model, compute_loss, tensors_in
 from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard._strategy import Strategy
+from autoshard._workspace import Workspace, unmeasured_note
 
 logger = logging.getLogger("autoshard")
 
@@ -66,6 +67,8 @@ class Setup:
     dtype: torch.dtype | None  # mixed-precision compute dtype
     device: torch.device
     checkpoint_all: bool = False  # every block activation-checkpointed, as `_apply` does it
+    # the device the ranks train on, where kernel workspaces are measured (None: `device`)
+    trains_on: torch.device | None = None
 
 
 def unavailable() -> str | None:
@@ -312,7 +315,8 @@ def _two_steps(
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
-    with tracker:
+    # inside the tracker, which so sees the workspace blocks
+    with tracker, Workspace(setup.trains_on or setup.device):
         loss = compute_loss(call_model(model, batch), batch, setup.loss_fn)
         loss.backward()
         del loss
@@ -460,6 +464,9 @@ def simulate_all(
     if failures:
         listed = "; ".join(f"{s} ({e})" for s, e in sorted(failures.items()))
         note += f"; analytic for {listed}"
+    missing = unmeasured_note(setup.trains_on or setup.device)
+    if missing:
+        note += f"; {missing}"
     return dict(sorted(results.items())), note
 
 

@@ -190,6 +190,20 @@ def measure(
     gc.collect()
     dist.barrier()
     cuda = CudaMeter(device) if device.type == "cuda" else None
+    # autoshard measures kernel workspaces (convolutions) with the profiler, which cannot start
+    # while this one runs: the same plan made first, outside it, measures them (kept per process).
+    built = zoo.build(name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device)
+    autoshard.plan(
+        built.model,
+        built.optimizer,
+        built.batch,
+        loss_fn=built.loss_fn,
+        strategy=strategy,
+        mixed_precision=mp,
+        activation_checkpointing=ac,
+    )
+    del built
+    gc.collect()
     with AllocatorProfile() as prof:
         built = zoo.build(
             name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device

@@ -1,7 +1,8 @@
 """benchmarks/estimate_accuracy.py: the allocator measurement it rests on, then the harness itself
-under real torchrun (2 gloo ranks) on gpt and mlp with every strategy, checkpointing off and on
-every block, held to the accuracy target: every configuration's predicted peak within 8% of the
-allocator's measured peak."""
+under real torchrun (2 gloo ranks) on gpt, mlp and resnet with every strategy, checkpointing off and
+on every block, held to the accuracy target: every configuration's predicted peak within 8% of the
+allocator's measured peak. resnet's convolutions hold scratch memory only the allocator sees
+(checkpointed, 8.8% of its peak on 2 ranks): without `_workspace` it misses the target."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _live_bytes import Allocation, AllocatorProfile, corrected_deltas, running_peak  # noqa: E402
 
 WORST_TARGET = 0.08  # the issue's target for every configuration
-# About 30 s on 2 idle cores (6 configurations); the limit turns a hang into a failure.
-TIMEOUT_S = 300
+# About 90 s on 2 idle cores (18 configurations); the limit turns a hang into a failure.
+TIMEOUT_S = 400
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard")
-MODELS = ("gpt", "mlp")
+MODELS = ("gpt", "mlp", "resnet")
 
 ROW_FIELDS = {
     "model",
