@@ -14,7 +14,7 @@ from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
-from autoshard._simulate import Setup, shallow_copy, shallow_depths, simulate_all
+from autoshard._simulate import Setup, shallow_copy, shallow_depths, simulate_all, with_state
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, extended, profile_step
 from autoshard._units import human
@@ -303,8 +303,14 @@ def with_simulation(
             checkpointed, ac_note = simulate_all(
                 model, setup, again, inputs.stats, inputs.world_size, shard_module, shared=shared
             )
+            # those simulations leave out the optimizer state (the same as unchecked)
             simulated = {
-                s: replace(sim, checkpointed_backward=checkpointed[s].backward)
+                s: replace(
+                    sim,
+                    checkpointed_backward=with_state(
+                        checkpointed[s].backward, sim.backward.optimizer_state
+                    ),
+                )
                 if s in checkpointed
                 else sim
                 for s, sim in simulated.items()
