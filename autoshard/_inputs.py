@@ -14,7 +14,7 @@ from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
-from autoshard._simulate import Setup, shallow_copy, shallow_depths, simulate_all, with_state
+from autoshard._simulate import Setup, combine, shallow_copy, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, extended, profile_step
 from autoshard._units import human
@@ -269,59 +269,74 @@ def with_simulation(
     here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     dtype = DTYPES[inputs.mixed_precision]
     setup = Setup(block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device)
-    simulated, note = simulate_all(
+    # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
+    # misses: where checkpointed candidates matter, a strategy is simulated with every block
+    # checkpointed too. Which ones is first judged by formula, so that those runs share one round
+    # with the unchecked ones; where the simulated unchecked peaks judge otherwise, a second
+    # round follows.
+    checkpointable = inputs.num_blocks > 0 and request.activation_checkpointing != 0
+    simulating = tuple(s for s in wanted if s not in hopeless)
+    first = _to_checkpoint(inputs, strategies, request, simulating) if checkpointable else ()
+    runs, note = simulate_all(
         model,
         setup,
-        tuple(s for s in wanted if s not in hopeless),
-        inputs.stats,
+        simulating,
+        stats,
         inputs.world_size,
         shard_module,
+        checkpointed=first,
         shared=shared,
     )
     notes = [note]
-    # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
-    # misses: where checkpointed candidates matter (forced, or the unchecked one does not fit),
-    # the strategy is simulated again with every block checkpointed.
-    inputs = replace(inputs, simulated=simulated)
-    ac = request.activation_checkpointing
-    if inputs.num_blocks and ac != 0:
-        # Under auto, checkpointing a strategy matters only where its unchecked candidate does
-        # not fit and it could still be the fastest (checkpointing only adds time): faster than
-        # the fastest unchecked candidate that fits.
-        plain = [candidate(inputs, s, 0) for s in strategies if request.strategy in (None, s)]
-        fastest = min((c.step_seconds for c in plain if c.fits), default=float("inf"))
+    inputs = replace(inputs, simulated=combine(runs))
+    if checkpointable:
+        simulated = tuple(s for s, checkpointed in runs if not checkpointed)
         again = tuple(
-            dict.fromkeys(
-                SIMULATED_AS.get(c.strategy, c.strategy)
-                for c in plain
-                if SIMULATED_AS.get(c.strategy, c.strategy) in simulated
-                and (ac is not None or (not c.fits and c.step_seconds < fastest))
-            )
+            s for s in _to_checkpoint(inputs, strategies, request, simulated) if s not in first
         )
         if again:  # decided from agreed data: the same on every rank of a job
-            setup = replace(setup, checkpoint_all=True)
-            checkpointed, ac_note = simulate_all(
-                model, setup, again, inputs.stats, inputs.world_size, shard_module, shared=shared
+            more, more_note = simulate_all(
+                model,
+                setup,
+                (),
+                stats,
+                inputs.world_size,
+                shard_module,
+                checkpointed=again,
+                shared=shared,
             )
-            # those simulations leave out the optimizer state (the same as unchecked)
-            simulated = {
-                s: replace(
-                    sim,
-                    checkpointed_backward=with_state(
-                        checkpointed[s].backward, sim.backward.optimizer_state
-                    ),
-                )
-                if s in checkpointed
-                else sim
-                for s, sim in simulated.items()
-            }
-            if again:
-                names = ", ".join(str(s) for s in again)
-                notes.append(f"with every block checkpointed, {names}: {ac_note}")
+            runs.update(more)
+            notes.append(more_note)
+            inputs = replace(inputs, simulated=combine(runs))
     if hopeless:
         names = ", ".join(str(s) for s in hopeless)
         notes.append(
             f"{names} not simulated (estimated by formula): parameters, gradients and "
             f"optimizer state alone exceed the usable memory"
         )
-    return replace(inputs, simulated=simulated, reasons=(*inputs.reasons, *notes))
+    return replace(inputs, reasons=(*inputs.reasons, *notes))
+
+
+def _to_checkpoint(
+    inputs: PlanInputs,
+    strategies: tuple[Strategy, ...],
+    request: Request,
+    among: tuple[Strategy, ...],
+) -> tuple[Strategy, ...]:
+    """The strategies (of `among`) worth simulating with every block checkpointed: all where
+    checkpointing is forced; under auto, those whose unchecked candidate does not fit yet which
+    could still be the fastest (checkpointing only adds time): faster than the fastest unchecked
+    candidate that fits. Judged on the estimates `inputs` has (simulated, or by formula)."""
+    plain = [candidate(inputs, s, 0) for s in strategies if request.strategy in (None, s)]
+    fastest = min((c.step_seconds for c in plain if c.fits), default=float("inf"))
+    return tuple(
+        dict.fromkeys(
+            SIMULATED_AS.get(c.strategy, c.strategy)
+            for c in plain
+            if SIMULATED_AS.get(c.strategy, c.strategy) in among
+            and (
+                request.activation_checkpointing is not None
+                or (not c.fits and c.step_seconds < fastest)
+            )
+        )
+    )

@@ -1,22 +1,25 @@
-"""Per-candidate simulation: two training steps of the real wrapping, on fake tensors, measured by
+"""Per-candidate simulation: a training step of the real wrapping, on fake tensors, measured by
 torch's own memory trackers (DESIGN.md section 3).
 
 For each strategy the model is copied with fake parameters (`FakeTensorMode`: no real memory), the
 copy is wrapped exactly as `_apply` wraps the real one (FSDP2 `fully_shard` per block and root,
-mixed-precision policy included) over a *fake* process group (its collectives do nothing), and two
-steps run under `MemTracker` / `FSDPMemTracker`. The tracker's breakdown at two moments is kept:
-the forward/backward peak and the optimizer step's peak (the second step: optimizer state exists).
+mixed-precision policy included) over a *fake* process group (its collectives do nothing), and a
+step runs under `MemTracker` / `FSDPMemTracker`. The tracker's breakdown at two moments is kept:
+the forward/backward peak and the optimizer step's peak, as in a steady step (with the optimizer
+state alive: `_two_steps`). Kernel workspace, which no tracker sees, is measured for real once per
+distinct convolution call and held as a fake block during each (`_workspace`).
 
-What is derived instead of traced again:
+What is derived instead of simulated again:
 
-- activation checkpointing: the first k checkpointed blocks free what `ActivationProfile` says they
-  save (`_estimate.estimate`);
-- depth: a model whose blocks are all alike is simulated with 2 and with 3 blocks and every term
+- activation checkpointing: every block checkpointed is simulated (forward and backward only)
+  where it matters; k < L checkpointed blocks are derived from it and from what
+  `ActivationProfile` says each block saves (`_estimate.estimate`);
+- depth: a model of 16 or more alike blocks is simulated at 3, 4 and 5 blocks and every term
   extended linearly to its full depth (terms are sums over blocks plus a constant);
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
   simulated to the one planned (`_estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
-DDP is simulated unwrapped with every gradient allocated before the first step and zeroed in place:
+DDP is simulated unwrapped with every gradient allocated before the step and zeroed in place:
 with `gradient_as_bucket_view=True` the gradients are views of DDP's buckets, which live from
 construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are not in it.
 """
@@ -451,6 +454,10 @@ def _phase(tracker: Any, kind: str) -> Phase:
     )
 
 
+# One simulation: a strategy, and whether every block is checkpointed (forward and backward only)
+Run = tuple[Strategy, bool]
+
+
 def simulate_all(
     model: nn.Module,
     setup: Setup,
@@ -459,19 +466,21 @@ def simulate_all(
     world_size: int,
     shard: Callable[..., None],
     *,
+    checkpointed: tuple[Strategy, ...] = (),
     shared: bool = False,
-) -> tuple[dict[Strategy, Simulated], str]:
-    """Simulate each strategy; returns the simulations (as rank 0 sees them: its shard is the
-    largest) and a note for the plan's reasons.
+) -> tuple[dict[Run, Simulated], str]:
+    """Simulate each strategy, and each of `checkpointed` with every block checkpointed; returns
+    the simulations by run (as rank 0 sees them: its shard is the largest) and a note for the
+    plan's reasons (`combine` puts a strategy's two runs together).
 
     Inside a job, with `shared` (`prepare`), every rank must call this at the same point: the
-    strategies are shared out among the ranks, each simulates its own at the real world size,
-    and one `all_gather_object` gives every rank the same results. Without `shared` (`plan`, which
-    may run on one rank only) nothing is exchanged: this rank simulates every strategy. Outside
-    a job a fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate
-    rescales. A strategy whose simulation fails (an optimizer that cannot be rebuilt on fake
-    parameters, an operation fake tensors do not support) is left to the analytic estimate, and
-    the note says so.
+    runs are shared out among the ranks, each simulates its own at the real world size, and one
+    `all_gather_object` gives every rank the same results. Without `shared` (`plan`, which may
+    run on one rank only) nothing is exchanged: this rank simulates every run. Outside a job a
+    fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate rescales.
+    A run whose simulation fails (an optimizer that cannot be rebuilt on fake parameters, an
+    operation fake tensors do not support) is left to the analytic estimate (or, checkpointed,
+    to the derivation from the unchecked one), and the note says so.
     """
     reason = unavailable()
     if reason is not None:
@@ -480,9 +489,10 @@ def simulate_all(
     rank = dist.get_rank() if in_job else 0
     size = world_size if in_job else min(world_size, MAX_SIMULATED_DEGREE)
     shared = shared and in_job
-    mine = [s for i, s in enumerate(strategies) if not shared or i % size == rank]
-    results: dict[Strategy, Simulated] = {}
-    failures: dict[Strategy, str] = {}
+    runs = (*((s, False) for s in strategies), *((s, True) for s in checkpointed))
+    mine = [run for i, run in enumerate(runs) if not shared or i % size == rank]
+    results: dict[Run, Simulated] = {}
+    failures: dict[Run, str] = {}
     started = time.perf_counter()
     try:
         context = fake_mesh(size, rank, setup.device.type)
@@ -491,16 +501,18 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        for strategy in mine:
+        for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
-            report(f"simulating two steps of {strategy} at {size} rank(s) on fake tensors")
+            how = ", every block checkpointed" if all_blocks else ""
+            report(f"simulating {strategy}{how} at {size} rank(s) on fake tensors")
+            run_setup = replace(setup, checkpoint_all=all_blocks)
             try:
-                simulated = simulate(model, setup, strategy, mesh, shard)
+                simulated = simulate(model, run_setup, strategy, mesh, shard)
             except Exception as error:  # noqa: BLE001 - reported in the plan; analytic instead
                 logger.debug("simulating %s failed", strategy, exc_info=True)
-                failures[strategy] = f"{type(error).__name__}: {error}"[:160]
+                failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
                 continue
-            results[strategy] = _as_rank0(simulated, stats, strategy, rank)
+            results[strategy, all_blocks] = _as_rank0(simulated, stats, strategy, rank)
     finally:
         context.__exit__(None, None, None)
     if shared:
@@ -509,19 +521,51 @@ def simulate_all(
         for theirs, failed in gathered:
             results.update(theirs)
             failures.update(failed)
+    return dict(sorted(results.items())), _note(runs, failures, size, shared, started, setup)
+
+
+def _note(
+    runs: tuple[Run, ...],
+    failures: dict[Run, str],
+    size: int,
+    shared: bool,
+    started: float,
+    setup: Setup,
+) -> str:
     seconds = time.perf_counter() - started
     shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
+    checkpointed = ", ".join(str(s) for s, ck in runs if ck)
+    also = f"; with every block checkpointed: {checkpointed}" if checkpointed else ""
     note = (
         f"estimates from simulated steps on fake tensors at {size} rank(s) "
-        f"({seconds:.1f}s{shared_out})"
+        f"({len(runs)} run(s), {seconds:.1f}s{shared_out}){also}"
     )
     if failures:
-        listed = "; ".join(f"{s} ({e})" for s, e in sorted(failures.items()))
-        note += f"; analytic for {listed}"
+        listed = "; ".join(
+            f"{s}{' checkpointed' if ck else ''} ({e})" for (s, ck), e in sorted(failures.items())
+        )
+        note += f"; not simulated: {listed}"
     missing = unmeasured_note(setup.trains_on or setup.device)
     if missing:
         note += f"; {missing}"
-    return dict(sorted(results.items())), note
+    return note
+
+
+def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
+    """Each strategy's unchecked simulation, with the forward/backward peak of its checkpointed
+    one where that ran too (which leaves out the optimizer state: the unchecked one's is added)."""
+    return {
+        strategy: replace(
+            plain,
+            checkpointed_backward=with_state(
+                runs[strategy, True].backward, plain.backward.optimizer_state
+            ),
+        )
+        if (strategy, True) in runs
+        else plain
+        for (strategy, checkpointed), plain in runs.items()
+        if not checkpointed
+    }
 
 
 def _as_rank0(simulated: Simulated, stats: ModelStats, strategy: Strategy, rank: int) -> Simulated:

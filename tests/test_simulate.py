@@ -18,7 +18,7 @@ import autoshard
 from autoshard._apply import shard_module
 from autoshard._demo import GPT, GPTConfig
 from autoshard._estimate import Simulated, model_stats, shard_bytes
-from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, simulate_all, unavailable
+from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all, unavailable
 from autoshard._strategy import Strategy
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -73,7 +73,8 @@ def simulated(
     model, optimizer, batch, names = MODELS[name]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
-    sims, note = simulate_all(model, setup, STRATEGIES, stats, world_size, shard_module)
+    runs, note = simulate_all(model, setup, STRATEGIES, stats, world_size, shard_module)
+    sims = combine(runs)
     assert set(sims) == set(STRATEGIES), note
     assert "analytic" not in note
     return model, names, world_size, sims
@@ -147,11 +148,11 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, torch.randn(64, 16), None, optimizer, None, torch.device("cpu"))
     assert sim_module.shallow_depths(model, names) == (3, 4, 5)
-    extended, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+    extended = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
     original = sim_module.shallow_depths
     sim_module.shallow_depths = lambda *args: None  # type: ignore[assignment]
     try:
-        whole, _ = simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+        whole = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
     finally:
         sim_module.shallow_depths = original  # type: ignore[assignment]
     for strategy in STRATEGIES:
@@ -220,3 +221,58 @@ def test_deep_alike_blocks_are_traced_shallow_and_extended() -> None:
     whole = profile_step(model, blocks, batch, None, None)
     measured = measure(model, blocks, batch, None, None, names)
     assert measured.profile == whole
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_one_measured_step_equals_a_warm_up_step_then_one(
+    model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For Adam/AdamW the measured step may be the first (state created up front, then added to
+    the forward/backward peak): every term as with an unmeasured step first."""
+    import autoshard._simulate as sim_module
+
+    model, optimizer, batch, names = MODELS[model_name]()
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    one = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+    monkeypatch.setattr(sim_module, "_STATE_FIRST", ())
+    two = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+    for strategy in STRATEGIES:
+        assert one[strategy].backward == two[strategy].backward, strategy
+        assert one[strategy].step == two[strategy].step, strategy
+        assert one[strategy].backward.optimizer_state > 0
+
+
+def test_checkpointed_runs_carry_the_unchecked_state() -> None:
+    """A checkpointed run is forward and backward only; `combine` adds the unchecked run's
+    optimizer state, which checkpointing does not change."""
+    model, optimizer, batch, names = _gpt()
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    runs, note = simulate_all(
+        model, setup, STRATEGIES, stats, 2, shard_module, checkpointed=STRATEGIES
+    )
+    assert set(runs) == {(s, ck) for s in STRATEGIES for ck in (False, True)}, note
+    assert "with every block checkpointed: DDP, SHARD_GRAD_OP, FULL_SHARD" in note
+    for strategy, sim in combine(runs).items():
+        checkpointed = sim.checkpointed_backward
+        assert checkpointed is not None
+        assert runs[strategy, True].backward.optimizer_state == 0  # no step ran
+        assert checkpointed.optimizer_state == sim.backward.optimizer_state > 0
+        assert checkpointed.params == sim.backward.params  # the peak may be later: grads
+        assert checkpointed.activations < sim.backward.activations  # blocks saved only inputs
+
+
+def test_checkpointing_judged_by_formula_shares_the_first_round() -> None:
+    """Where even the formula says no unchecked candidate fits, the checkpointed runs go in the
+    same round as the unchecked ones: one note, no second round."""
+    model, optimizer, batch, names = _gpt()
+    plain = autoshard.plan(model, optimizer, batch, world_size=2, device_memory="80GiB")
+    smallest = min(
+        c.estimated_peak_bytes for c in plain.candidates if c.activation_checkpointing == 0
+    )
+    plan = autoshard.plan(model, optimizer, batch, world_size=2, device_memory=int(smallest * 0.8))
+    simulated = [r for r in plan.reasons if r.startswith("estimates from simulated steps")]
+    assert len(simulated) == 1, plan.reasons
+    assert "with every block checkpointed:" in simulated[0]
+    assert plan.activation_checkpointing > 0
