@@ -20,6 +20,10 @@ each strategy in turn stops fitting:
 `--budgets` takes those names and/or sizes ("300MiB", bytes), comma-separated. Rank 0 computes
 the budgets and broadcasts them, so every rank runs the same grid.
 
+With `--rounds R` every strategy of a grid point runs R times, the rounds interleaved (each starts
+one strategy later), and its timed steps are pooled: the machine's drift then falls on every
+strategy alike.
+
 A run "fits" unless `prepare` raised `DoesNotFit`, a timed step ran out of memory, or the measured
 peak of the tracked step exceeded the budget (on CPU nothing really runs out of memory: as in
 `prepare`'s own trial step, a measured peak above `memory_limit` counts as out of memory).
@@ -234,6 +238,40 @@ def run_one(
     return row
 
 
+def merge_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, budget, strategy) from its rounds: it fits if every round fitted;
+    samples/s from the median of every round's timed steps pooled; prepare and trial seconds
+    the median over rounds; peaks the largest; the plan the first round's (`plans_differ` says
+    whether a later round chose another)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["budget"], row["strategy"]), []).append(row)
+    merged = []
+    for runs in groups.values():
+        row = dict(runs[0])
+        row["rounds"] = len(runs)
+        failed = [r for r in runs if not r["fits"]]
+        row["fits"] = not failed
+        row["oom_stage"] = failed[0]["oom_stage"] if failed else None
+        times = [t for r in runs for t in r["step_times_s"]]
+        row["step_times_s"] = times
+        row["step_s"] = common.median(times) if row["fits"] and times else None
+        row["samples_per_s"] = row["global_batch"] / row["step_s"] if row["step_s"] else None
+        for key in ("prepare_s", "trial_s", "prepare_overhead_s"):
+            values = [r[key] for r in runs if r[key] is not None]
+            row[key] = common.median(values) if values else None
+        per_rank = [r["peak_bytes_per_rank"] for r in runs if r["peak_bytes_per_rank"]]
+        row["peak_bytes_per_rank"] = [max(p) for p in zip(*per_rank, strict=True)] or None
+        row["peak_bytes_max"] = max(row["peak_bytes_per_rank"] or [], default=None)
+        row["plans_differ"] = len({json.dumps(_chosen(r["plan"])) for r in runs}) > 1
+        merged.append(row)
+    return merged
+
+
+def _chosen(plan: dict[str, Any] | None) -> Any:
+    return None if plan is None else (plan["strategy"], plan["activation_checkpointing"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Derived figures
 
@@ -415,6 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every strategy of a grid point this many times, interleaved, and pool the "
+        "timed steps (the machine's drift then falls on every strategy alike)",
+    )
+    p.add_argument(
         "--mixed-precision",
         default=None,
         choices=["auto", "bf16", "fp16", "no"],
@@ -423,8 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     for name in args.models.split(","):
         if name not in zoo.BUILDERS:
             p.error(f"unknown model {name!r}; choose from {', '.join(zoo.BUILDERS)}")
@@ -438,26 +483,32 @@ def main(argv: list[str] | None = None) -> int:
         args.mixed_precision = "bf16" if device.type == "cuda" else "no"
     say = print if rank == 0 else (lambda *a, **k: None)
     started = datetime.now(timezone.utc)
-    rows: list[dict[str, Any]] = []
+    round_rows: list[dict[str, Any]] = []
     estimates_by_model: dict[str, Any] = {}
     for name in args.models.split(","):
         budgets, est = budgets_for(name, args.budgets.split(","), args, world)
         estimates_by_model[name] = {"estimates": est, "budgets": dict(budgets)}
         say(f"{name}: budgets " + ", ".join(f"{b} {common.mib(n)} MiB" for b, n in budgets))
         for budget in budgets:
-            for strategy in STRATEGIES:
-                row = run_one(name, budget, strategy, args, device)
-                rows.append(row)
-                say(
-                    f"  {name:4s} {budget[0]:10s} {strategy:13s} "
-                    + (
-                        f"{row['samples_per_s']:8.1f} samples/s  peak "
-                        f"{common.mib(row['peak_bytes_max'])} MiB  prepare {row['prepare_s']:.2f} s"
-                        if row["fits"]
-                        else f"OOM ({row['oom_stage']})"
-                    ),
-                    flush=True,
-                )
+            for round_index in range(args.rounds):
+                # each round starts one strategy later: no strategy always runs first or last
+                shift = round_index % len(STRATEGIES)
+                for strategy in STRATEGIES[shift:] + STRATEGIES[:shift]:
+                    row = run_one(name, budget, strategy, args, device)
+                    row["round"] = round_index
+                    round_rows.append(row)
+                    say(
+                        f"  {name:4s} {budget[0]:10s} {strategy:13s} round {round_index} "
+                        + (
+                            f"{row['samples_per_s']:8.1f} samples/s  peak "
+                            f"{common.mib(row['peak_bytes_max'])} MiB  "
+                            f"prepare {row['prepare_s']:.2f} s"
+                            if row["fits"]
+                            else f"OOM ({row['oom_stage']})"
+                        ),
+                        flush=True,
+                    )
+    rows = merge_rounds(round_rows)
     derived = derive(rows)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -470,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_size": args.batch_size,
                 "steps": args.steps,
                 "warmup": args.warmup,
+                "rounds": args.rounds,
                 "mixed_precision": args.mixed_precision,
                 "activation_checkpointing": "auto",
                 "device": str(device),
@@ -477,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": {"regret_min": REGRET_TARGET, "overhead_max_s": OVERHEAD_TARGET_S},
             "budgets": estimates_by_model,
             "runs": rows,
+            "runs_by_round": round_rows,
             "derived": derived,
         }
         (args.out / "compare.json").write_text(json.dumps(result, indent=1))

@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/compare.py: run it for real under torchrun (2 gloo ranks) on the
-smallest zoo model with two budgets and one timed step, and check the shape of its JSON. No
+smallest zoo model with two budgets, two rounds and one timed step, and check the shape of its
+JSON. No
 figure is asserted: the numbers depend on the machine."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.dist
 
 STRATEGIES = {"ddp", "shard_grad_op", "full_shard", "auto"}
 BUDGETS = ["generous", "no_zero2"]
-# About 25 s on 2 cores; the limit turns a hang into a failure.
-TIMEOUT_S = 150
+# About 50 s on 2 cores; the limit turns a hang into a failure.
+TIMEOUT_S = 240
 
 RUN_FIELDS = {
     "model",
@@ -61,6 +62,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "1",
         "--warmup",
         "1",
+        "--rounds",
+        "2",
         "--out",
         str(out),
         timeout=TIMEOUT_S,
@@ -78,6 +81,21 @@ def test_a_row_per_strategy_per_budget(result: dict) -> None:
     runs = result["runs"]
     seen = sorted((r["budget"], r["strategy"]) for r in runs)
     assert seen == sorted((b, s) for b in BUDGETS for s in STRATEGIES)
+
+
+def test_rounds_are_merged(result: dict) -> None:
+    by_round = sorted((r["budget"], r["strategy"], r["round"]) for r in result["runs_by_round"])
+    assert by_round == sorted((b, s, i) for b in BUDGETS for s in STRATEGIES for i in (0, 1))
+    for run in result["runs"]:
+        assert run["rounds"] == 2
+        rounds = [
+            r
+            for r in result["runs_by_round"]
+            if (r["budget"], r["strategy"]) == (run["budget"], run["strategy"])
+        ]
+        assert run["fits"] == all(r["fits"] for r in rounds)
+        if run["fits"]:  # the timed steps of both rounds, pooled
+            assert run["step_times_s"] == [t for r in rounds for t in r["step_times_s"]]
 
 
 def test_every_run_has_every_field(result: dict) -> None:
