@@ -12,9 +12,10 @@ from torch import nn
 from autoshard._apply import DTYPES, shard_module
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
+from autoshard._fake import shallow_copy
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
-from autoshard._simulate import Setup, combine, shallow_copy, shallow_depths, simulate_all
+from autoshard._simulate import Setup, combine, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, extended, profile_step
 from autoshard._units import human

@@ -6,7 +6,7 @@ copy is wrapped exactly as `_apply` wraps the real one (FSDP2 `fully_shard` per 
 mixed-precision policy included) over a *fake* process group (its collectives do nothing), and a
 step runs under `MemTracker` / `FSDPMemTracker`. The tracker's breakdown at two moments is kept:
 the forward/backward peak and the optimizer step's peak, as in a steady step (with the optimizer
-state alive: `_two_steps`). Kernel workspace, which no tracker sees, is measured for real once per
+state alive: `_step`). Kernel workspace, which no tracker sees, is measured for real once per
 distinct convolution call and held as a fake block during each (`_workspace`).
 
 What is derived instead of simulated again:
@@ -26,11 +26,9 @@ construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -39,10 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoshard._batch import LossFn, call_model, compute_loss, tensors_in
+from autoshard._batch import LossFn
 from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
+from autoshard._fake import fake_copy, fake_mesh, fake_optimizer, fake_tensor, unavailable
+from autoshard._step import total, tracked_step, with_state
 from autoshard._strategy import Strategy
-from autoshard._workspace import Workspace, unmeasured_note
+from autoshard._workspace import unmeasured_note
 
 logger = logging.getLogger("autoshard")
 
@@ -74,57 +74,6 @@ class Setup:
     trains_on: torch.device | None = None
 
 
-def unavailable() -> str | None:
-    """Why simulation cannot run with this torch, or None. The trackers are private torch APIs."""
-    try:
-        import torch.distributed._tools.fsdp2_mem_tracker  # noqa: F401
-        import torch.distributed._tools.mem_tracker  # noqa: F401
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except Exception as error:  # ImportError, or any failure inside a private module
-        return f"torch {torch.__version__} lacks the memory trackers ({error})"
-    return None
-
-
-@contextlib.contextmanager
-def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
-    """A DeviceMesh over a fake process group of `world_size` ranks, this process being `rank`.
-
-    Inside a job (a process group exists) the fake group is a new group over the real ranks:
-    every rank must call this at the same point, as for any `new_group`. Without one, a fake
-    default group is created and destroyed again.
-    """
-    import torch.testing._internal.distributed.fake_pg as fake_pg
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    # A DeviceMesh equals another of the same ranks, device and dimension names whatever its
-    # process group, and DTensor's sharding caches key on that equality: a fake mesh equal to
-    # the real one would hand the real model's DTensors the fake group (seen: the real
-    # gradients ended up on the destroyed fake group). A name of its own keeps them apart.
-    global _meshes_made
-    _meshes_made += 1
-    names = (f"autoshard_simulated_{_meshes_made}",)
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size:
-            raise RuntimeError("a fake group inside a job has the job's size")
-        # use_local_synchronization: a hashed name, no global group counter moved, nothing
-        # exchanged: safe where only some ranks call it (a plan() on rank 0)
-        group = dist.new_group(backend="fake", use_local_synchronization=True)
-        try:
-            yield DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
-        finally:
-            dist.destroy_process_group(group)
-        return
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_pg.FakeStore())
-    try:
-        yield init_device_mesh(device_type, (world_size,), mesh_dim_names=names)
-    finally:
-        dist.destroy_process_group()
-
-
-_meshes_made = 0
-
-
 def simulate(
     model: nn.Module,
     setup: Setup,
@@ -146,7 +95,7 @@ def simulate(
         # in a process has shown extra step temporaries that later runs do not (1.4 GiB on a 7B
         # model's FULL_SHARD at 3 blocks), which would tilt the line.
         line = _extend(p1[0], p2[0], d1, d2, d3)
-        if abs(_total(line) - _total(p3[0])) <= _LINEARITY_TOLERANCE * _total(p3[0]):
+        if abs(total(line) - total(p3[0])) <= _LINEARITY_TOLERANCE * total(p3[0]):
             return Simulated(
                 _extend(p2[0], p3[0], d2, d3, full), _extend(p2[1], p3[1], d2, d3, full), degree
             )
@@ -204,9 +153,9 @@ def _run(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake, names = _fake_copy(model, mode, setup.device, setup.block_names, depth)
+    fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
     with mode:
-        batch = tree_map(lambda x: _fake_tensor(mode, x, setup.device), setup.batch)
+        batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
             from torch.distributed._composable import checkpoint
 
@@ -214,244 +163,8 @@ def _run(
                 checkpoint(fake.get_submodule(name))
         if strategy.sharded:
             shard(fake, names, mesh, strategy, setup.dtype)
-        optimizer = _fake_optimizer(setup.optimizer, model, fake)
-        return _two_steps(fake, optimizer, batch, setup, strategy)
-
-
-def _fake_copy(
-    model: nn.Module, mode: Any, device: torch.device, block_names: list[str], depth: int
-) -> tuple[nn.Module, list[str]]:
-    """The model's structure with fake parameters and buffers (tied ones stay tied), keeping only
-    the first `depth` blocks."""
-    memo: dict[int, Any] = {}
-    prefixes = tuple(f"{name}." for name in block_names[depth:])
-    kept = {
-        id(p)
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if not n.startswith(prefixes)
-    }
-    with mode:
-        for param in (p for p in model.parameters() if id(p) in kept):
-            memo[id(param)] = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device=device),
-                requires_grad=param.requires_grad,
-            )
-        for buffer in model.buffers():
-            memo[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-    return shallow_copy(model, block_names, depth, memo)
-
-
-def shallow_copy(
-    model: nn.Module, block_names: list[str], depth: int, tensors: dict[int, Any] | None = None
-) -> tuple[nn.Module, list[str]]:
-    """The model's module tree with only its first `depth` blocks, and the blocks' names in it.
-
-    Parameters and buffers are the model's own (not copied: the copy costs no tensor memory)
-    unless `tensors` maps their ids to replacements. The blocks must be the children of one
-    container, in order (`shallow_depths`)."""
-    memo: dict[int, Any] = dict(tensors) if tensors is not None else {}
-    prefixes = tuple(f"{name}." for name in block_names[depth:])
-    named = [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-    for name, tensor in named:  # a tensor the kept part uses (tied ones too) is shared
-        if not name.startswith(prefixes):
-            memo.setdefault(id(tensor), tensor)
-    for name in block_names[depth:]:  # not copied at all
-        memo[id(model.get_submodule(name))] = None
-    copied = copy.deepcopy(model, memo)
-    if depth < len(block_names):
-        parent = copied.get_submodule(block_names[0].rpartition(".")[0])
-        kept = [m for m in parent._modules.values() if m is not None][:depth]
-        parent._modules = {str(i): m for i, m in enumerate(kept)}
-    return copied, block_names[:depth]
-
-
-def _fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=x.dtype, device=device)
-    return mode.from_tensor(x).to(device)
-
-
-def _fake_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, fake: nn.Module
-) -> torch.optim.Optimizer:
-    """The same optimizer class and hyperparameters over the fake parameters (no state yet)."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    fake_params = dict(fake.named_parameters(remove_duplicate=False))
-    groups = []
-    for group in optimizer.param_groups:
-        params = [fake_params[names[id(p)]] for p in group["params"] if names[id(p)] in fake_params]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    rebuilt: torch.optim.Optimizer = type(optimizer)([g for g in groups if g["params"]])  # type: ignore[call-arg]
-    return rebuilt
-
-
-# Optimizers whose step creates all of its state before any arithmetic (`_init_group`), so that
-# a first step's peak is a steady step's: the measured step may be the first. Any other optimizer
-# takes one unmeasured step first.
-_STATE_FIRST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
-def _two_steps(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    setup: Setup,
-    strategy: Strategy,
-) -> tuple[Phase, Phase]:
-    """The breakdowns at the forward/backward peak and at the optimizer step's peak of a steady
-    step.
-
-    The optimizer state is alive and unchanged through forward and backward, so it adds to
-    that peak without moving it: for the optimizers in `_STATE_FIRST` the one measured step
-    creates it, and it is added to the forward/backward peak afterwards. Any other optimizer first
-    takes an unmeasured step from zero gradients (which allocates what a full first step would).
-    With every block checkpointed (`setup.checkpoint_all`) only forward and backward run: the
-    step is the unchecked simulation's, and the caller adds its state (`with_state`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from autoshard._apply import autocast_hooks
-
-    if not strategy.sharded and setup.dtype is not None:
-        autocast_hooks(model, setup.device.type, setup.dtype)
-    in_place = strategy == Strategy.DDP  # DDP's buckets: every gradient lives from construction
-    stepped = not setup.checkpoint_all and not isinstance(optimizer, _STATE_FIRST)
-    if stepped:
-        _first_step(model, optimizer, keep_grads=in_place)
-    elif in_place:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
-    inputs = tensors_in(batch)
-    tracker: Any
-    if strategy.sharded:
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs(tuple(inputs))
-        tracker.track_external(optimizer)
-    else:
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
-    _global_peak_only(tracker)
-    # inside the tracker, which so sees the workspace blocks
-    with tracker, Workspace(setup.trains_on or setup.device):
-        loss = compute_loss(call_model(model, batch), batch, setup.loss_fn)
-        loss.backward()
-        del loss
-        backward = _phase(tracker, "peak")
-        if setup.checkpoint_all:
-            return backward, Phase(**dict.fromkeys(_TERMS, 0))
-        # The step's peak: what is alive as it starts (parameters, gradients, state), plus the
-        # most its intermediates add. Taken as a difference of totals, not from the tracker's
-        # breakdown at its peak, which files optimizer state under other names mid-step.
-        before = _phase(tracker, "current")
-        _reset_peak(tracker)
-        optimizer.step()
-        added = max(0, _total(tracker, "peak") - _total(before))
-        created = 0 if stepped else _phase(tracker, "current").optimizer_state
-        step = replace(
-            before,
-            optimizer_state=before.optimizer_state + created,
-            temporaries=before.temporaries + added - created,
-        )
-        optimizer.zero_grad(set_to_none=not in_place)
-    return with_state(backward, created), step
-
-
-def with_state(phase: Phase, state: int) -> Phase:
-    """`phase` with `state` more bytes of optimizer state alive."""
-    return replace(phase, optimizer_state=phase.optimizer_state + state)
-
-
-_TERMS = tuple(f.name for f in fields(Phase))
-
-
-def _first_step(model: nn.Module, optimizer: torch.optim.Optimizer, keep_grads: bool) -> None:
-    """Create the optimizer's state with one update from zero gradients, in foreach form where the
-    optimizer has it (one fake dispatch per list rather than per tensor)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    saved = [g.get("foreach") for g in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            if "foreach" in group and not group.get("fused"):
-                group["foreach"] = True
-        optimizer.step()
-    except Exception:  # noqa: BLE001 - no foreach form: the plain step creates the same state
-        for group, value in zip(optimizer.param_groups, saved, strict=True):
-            group["foreach"] = value
-        optimizer.step()
-    finally:
-        for group, value in zip(optimizer.param_groups, saved, strict=True):
-            if "foreach" in group:
-                group["foreach"] = value
-    if keep_grads:
-        for param in params:
-            param.grad.zero_()  # type: ignore[union-attr]
-    else:
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _global_peak_only(tracker: Any) -> None:
-    """Keep only the tracker-wide peak. After every operator torch's trackers also update each
-    tracked module's peak by walking every module tracked so far, which is a fifth of a
-    simulation's time on the demo model and unused here (private fields; left as they are where
-    they differ)."""
-    if not all(
-        hasattr(tracker, name)
-        for name in ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
-    ):
-        return
-
-    def update(peak_state: Any) -> None:
-        for device, snapshot in tracker._curr_mem_snap.items():
-            if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
-                tracker._peak_mem[device] = snapshot["Total"]
-                tracker._peak_mem_snap[device] = dict(snapshot)
-
-    tracker._update_peak_stats = update
-
-
-def _reset_peak(tracker: Any) -> None:
-    """Start a new peak from the current bytes (private fields; without them the phases share
-    the peak of the whole step, which only overestimates)."""
-    if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap"):
-        tracker._peak_mem = {}
-        tracker._peak_mem_snap = {}
-
-
-def _total(source: Any, kind: str = "") -> int:
-    if isinstance(source, Phase):
-        return sum(getattr(source, f.name) for f in fields(Phase))
-    return sum(s.get("Total", 0) for s in source.get_tracker_snapshot(kind).values())
-
-
-def _phase(tracker: Any, kind: str) -> Phase:
-    """The tracker's breakdown ("peak" or "current"), summed over devices, in autoshard's
-    terms."""
-    by_name: dict[str, int] = {}
-    for snapshot in tracker.get_tracker_snapshot(kind).values():
-        for key, value in snapshot.items():
-            name = getattr(key, "value", key)
-            by_name[name] = by_name.get(name, 0) + value
-
-    def get(*names: str) -> int:
-        return sum(by_name.get(n, 0) for n in names)
-
-    return Phase(
-        params=get("Parameter", "Sharded Param"),
-        buffers=get("Buffer"),
-        grads=get("Gradient", "Sharded Grad"),
-        optimizer_state=get("Optstate", "OptState"),
-        activations=get("Activation", "Inputs", "Other"),
-        comm_buffers=get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
-        temporaries=get("Temp"),
-    )
+        optimizer = fake_optimizer(setup.optimizer, model, fake)
+        return tracked_step(fake, optimizer, batch, setup, strategy)
 
 
 # One simulation: a strategy, and whether every block is checkpointed (forward and backward only)

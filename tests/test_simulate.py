@@ -18,7 +18,9 @@ import autoshard
 from autoshard._apply import shard_module
 from autoshard._demo import GPT, GPTConfig
 from autoshard._estimate import Simulated, model_stats, shard_bytes
-from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all, unavailable
+from autoshard._fake import unavailable
+from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
+from autoshard._step import total
 from autoshard._strategy import Strategy
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -156,8 +158,8 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     finally:
         sim_module.shallow_depths = original  # type: ignore[assignment]
     for strategy in STRATEGIES:
-        got = sim_module._total(extended[strategy].backward)
-        want = sim_module._total(whole[strategy].backward)
+        got = total(extended[strategy].backward)
+        want = total(whole[strategy].backward)
         assert abs(got - want) <= 0.01 * want, (strategy, got, want)
         # The step's state terms extend exactly. Its temporaries are left out: a whole run of
         # SHARD_GRAD_OP has shown 40 KB more of them than the same run at 4 or 5 blocks (not
@@ -229,13 +231,13 @@ def test_one_measured_step_equals_a_warm_up_step_then_one(
 ) -> None:
     """For Adam/AdamW the measured step may be the first (state created up front, then added to
     the forward/backward peak): every term as with an unmeasured step first."""
-    import autoshard._simulate as sim_module
+    import autoshard._step as step_module
 
     model, optimizer, batch, names = MODELS[model_name]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
     one = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
-    monkeypatch.setattr(sim_module, "_STATE_FIRST", ())
+    monkeypatch.setattr(step_module, "_STATE_FIRST", ())
     two = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
     for strategy in STRATEGIES:
         assert one[strategy].backward == two[strategy].backward, strategy

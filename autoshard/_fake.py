@@ -1,0 +1,137 @@
+"""Fake copies for the simulation (`_simulate`): the model's structure, its optimizer and its
+batch on fake tensors (`FakeTensorMode`: no real memory), and a process group whose collectives
+do nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def unavailable() -> str | None:
+    """Why simulation cannot run with this torch, or None. The trackers are private torch APIs."""
+    try:
+        import torch.distributed._tools.fsdp2_mem_tracker  # noqa: F401
+        import torch.distributed._tools.mem_tracker  # noqa: F401
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except Exception as error:  # ImportError, or any failure inside a private module
+        return f"torch {torch.__version__} lacks the memory trackers ({error})"
+    return None
+
+
+@contextlib.contextmanager
+def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
+    """A DeviceMesh over a fake process group of `world_size` ranks, this process being `rank`.
+
+    Inside a job (a process group exists) the fake group is a new group over the real ranks:
+    every rank must call this at the same point, as for any `new_group`. Without one, a fake
+    default group is created and destroyed again.
+    """
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    # A DeviceMesh equals another of the same ranks, device and dimension names whatever its
+    # process group, and DTensor's sharding caches key on that equality: a fake mesh equal to
+    # the real one would hand the real model's DTensors the fake group (seen: the real
+    # gradients ended up on the destroyed fake group). A name of its own keeps them apart.
+    global _meshes_made
+    _meshes_made += 1
+    names = (f"autoshard_simulated_{_meshes_made}",)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError("a fake group inside a job has the job's size")
+        # use_local_synchronization: a hashed name, no global group counter moved, nothing
+        # exchanged: safe where only some ranks call it (a plan() on rank 0)
+        group = dist.new_group(backend="fake", use_local_synchronization=True)
+        try:
+            yield DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
+        finally:
+            dist.destroy_process_group(group)
+        return
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_pg.FakeStore())
+    try:
+        yield init_device_mesh(device_type, (world_size,), mesh_dim_names=names)
+    finally:
+        dist.destroy_process_group()
+
+
+_meshes_made = 0
+
+
+def fake_copy(
+    model: nn.Module, mode: Any, device: torch.device, block_names: list[str], depth: int
+) -> tuple[nn.Module, list[str]]:
+    """The model's structure with fake parameters and buffers (tied ones stay tied), keeping only
+    the first `depth` blocks."""
+    memo: dict[int, Any] = {}
+    prefixes = tuple(f"{name}." for name in block_names[depth:])
+    kept = {
+        id(p)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if not n.startswith(prefixes)
+    }
+    with mode:
+        for param in (p for p in model.parameters() if id(p) in kept):
+            memo[id(param)] = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=device),
+                requires_grad=param.requires_grad,
+            )
+        for buffer in model.buffers():
+            memo[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return shallow_copy(model, block_names, depth, memo)
+
+
+def shallow_copy(
+    model: nn.Module, block_names: list[str], depth: int, tensors: dict[int, Any] | None = None
+) -> tuple[nn.Module, list[str]]:
+    """The model's module tree with only its first `depth` blocks, and the blocks' names in it.
+
+    Parameters and buffers are the model's own (not copied: the copy costs no tensor memory)
+    unless `tensors` maps their ids to replacements. The blocks must be the children of one
+    container, in order (`shallow_depths`)."""
+    memo: dict[int, Any] = dict(tensors) if tensors is not None else {}
+    prefixes = tuple(f"{name}." for name in block_names[depth:])
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in named:  # a tensor the kept part uses (tied ones too) is shared
+        if not name.startswith(prefixes):
+            memo.setdefault(id(tensor), tensor)
+    for name in block_names[depth:]:  # not copied at all
+        memo[id(model.get_submodule(name))] = None
+    copied = copy.deepcopy(model, memo)
+    if depth < len(block_names):
+        parent = copied.get_submodule(block_names[0].rpartition(".")[0])
+        kept = [m for m in parent._modules.values() if m is not None][:depth]
+        parent._modules = {str(i): m for i, m in enumerate(kept)}
+    return copied, block_names[:depth]
+
+
+def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.device.type == "meta":
+        return torch.empty(x.shape, dtype=x.dtype, device=device)
+    return mode.from_tensor(x).to(device)
+
+
+def fake_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, fake: nn.Module
+) -> torch.optim.Optimizer:
+    """The same optimizer class and hyperparameters over the fake parameters (no state yet)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    fake_params = dict(fake.named_parameters(remove_duplicate=False))
+    groups = []
+    for group in optimizer.param_groups:
+        params = [fake_params[names[id(p)]] for p in group["params"] if names[id(p)] in fake_params]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    rebuilt: torch.optim.Optimizer = type(optimizer)([g for g in groups if g["params"]])  # type: ignore[call-arg]
+    return rebuilt
