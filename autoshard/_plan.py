@@ -65,9 +65,11 @@ class Candidate:
         activation_checkpointing: number of blocks checkpointed (the first ones).
         footprint: estimated per-rank peak, by term.
         step_seconds: modelled step time; only its order among candidates matters.
-        fits: the estimated peak is within the usable memory (and, under CPU offload,
-            host_bytes within the host memory).
+        fits: the estimated peak plus reserve_bytes is within the usable memory (and, under
+            CPU offload, host_bytes within the host memory).
         host_bytes: host memory per rank under CPU offload, else 0.
+        reserve_bytes: memory kept free beside the estimated peak for what depends on timing
+            (`reserve_bytes`); not part of the estimate.
     """
 
     strategy: Strategy
@@ -76,6 +78,7 @@ class Candidate:
     step_seconds: float
     fits: bool
     host_bytes: int = 0
+    reserve_bytes: int = 0
 
     @property
     def estimated_peak_bytes(self) -> int:
@@ -219,10 +222,29 @@ def candidate(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> Cand
     footprint = estimate(inputs.stats, inputs.profile, setting, simulated)
     seconds = step_seconds(inputs, strategy, checkpointed)
     host = host_bytes(inputs.stats, setting)
-    fits = footprint.peak <= inputs.usable_bytes and (
+    reserve = reserve_bytes(inputs, strategy)
+    fits = footprint.peak + reserve <= inputs.usable_bytes and (
         inputs.host_usable_bytes is None or host <= inputs.host_usable_bytes
     )
-    return Candidate(strategy, checkpointed, footprint, seconds, fits, host)
+    return Candidate(strategy, checkpointed, footprint, seconds, fits, host, reserve)
+
+
+def reserve_bytes(inputs: PlanInputs, strategy: Strategy) -> int:
+    """Memory kept free under FSDP2 beside the estimated peak: one FSDP unit's sharded gradient.
+
+    The simulation's collectives complete at once; real ones complete when they do, and a unit's
+    reduce-scatter output can then be allocated while the gradients it reduces still count. On 2
+    gloo ranks, ZeRO-3 over a 6-block MLP peaked at one of two values from step to step, the
+    higher one by exactly one block's sharded gradient more (compare.py, mlp `ac_only`:
+    64,968,336 or 66,746,768 bytes). Reserving the largest unit's keeps such a step within the
+    limit; DDP reduces in place and needs none."""
+    if not strategy.sharded:
+        return 0
+    stats = inputs.stats
+    degree = inputs.ranks_per_node if strategy == Strategy.HYBRID_SHARD else inputs.world_size
+    largest = max((*stats.block_numel, stats.root_numel), default=0)
+    element = stats.param_bytes / max(stats.floating_numel, 1)  # gradients in the stored dtype
+    return round(-(-largest // max(degree, 1)) * element)
 
 
 def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
@@ -360,6 +382,11 @@ def _why(chosen: Candidate, shown: list[Candidate]) -> str:
         else ""
     )
     text = f"chose {chosen.strategy}{ac}: the fastest candidate whose estimated peak fits"
+    if chosen.reserve_bytes:
+        text += (
+            f", with {human(chosen.reserve_bytes)} per rank kept free beside it (a unit's "
+            f"reduce-scatter output may be allocated before its input is freed)"
+        )
     if faster:
         names = ", ".join(sorted({str(c.strategy) for c in faster}))
         text += f" ({names} would be faster but do not fit)"
@@ -380,12 +407,17 @@ class DoesNotFit(ValueError):
 
     @classmethod
     def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
-        device_missing = best.estimated_peak_bytes - inputs.usable_bytes
+        device_missing = best.estimated_peak_bytes + best.reserve_bytes - inputs.usable_bytes
         host_missing = host_shortfall(inputs, best)
         activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
         if device_missing > 0:
+            reserved = (
+                f" (and {human(best.reserve_bytes)} kept free for a reduce-scatter's timing)"
+                if best.reserve_bytes
+                else ""
+            )
             need = (
-                f"needs {human(best.estimated_peak_bytes)} per rank but "
+                f"needs {human(best.estimated_peak_bytes)} per rank{reserved} but "
                 f"{human(inputs.usable_bytes)} is usable: {human(device_missing)} missing"
             )
         else:
@@ -413,7 +445,8 @@ def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
 
 def shortfall(inputs: PlanInputs, c: Candidate) -> int:
     """How far a candidate is from fitting: device or host memory, whichever lacks more."""
-    return max(c.estimated_peak_bytes - inputs.usable_bytes, host_shortfall(inputs, c))
+    device = c.estimated_peak_bytes + c.reserve_bytes - inputs.usable_bytes
+    return max(device, host_shortfall(inputs, c))
 
 
 _HEADER = (

@@ -266,7 +266,7 @@ def next_rung(
         and c.activation_checkpointing >= failed.activation_checkpointing
         and (c.strategy.value, c.activation_checkpointing) not in tried
     ]
-    fitting = [c for c in rungs if c.estimated_peak_bytes * shortfall < usable]
+    fitting = [c for c in rungs if c.estimated_peak_bytes * shortfall + c.reserve_bytes < usable]
     if fitting:
         return min(fitting, key=lambda c: c.step_seconds)
     return min(

@@ -102,7 +102,9 @@ def make_inputs(
 
 
 def peak(inputs: PlanInputs, strategy: Strategy, k: int = 0) -> int:
-    return candidate(inputs, strategy, k).estimated_peak_bytes
+    """What a candidate needs to fit: its estimated peak and what is kept free beside it."""
+    c = candidate(inputs, strategy, k)
+    return c.estimated_peak_bytes + c.reserve_bytes
 
 
 def min_peak(inputs: PlanInputs, strategy: Strategy) -> int:
@@ -421,9 +423,14 @@ def test_nothing_fits_raises_does_not_fit_with_the_missing_amount() -> None:
     assert isinstance(error, ValueError)  # callers catching ValueError see it too
     best = min(min_peak(inputs, s) for s in ALL)
     assert error.missing_bytes == best - usable
+    frugal = min(
+        (candidate(inputs, s, k) for s in ALL for k in range(BLOCKS + 1)),
+        key=lambda c: c.estimated_peak_bytes + c.reserve_bytes,
+    )
     message = str(error)
     assert f"{human(best - usable)} missing" in message
-    assert human(best) in message and human(usable) in message
+    assert human(frugal.estimated_peak_bytes) in message and human(usable) in message
+    assert f"and {human(frugal.reserve_bytes)} kept free" in message
     assert "FULL_SHARD" in message  # the most frugal candidate is named
     assert "smaller per-rank batch" in message  # what would help
     assert "more ranks" in message
@@ -744,7 +751,8 @@ def test_does_not_fit_with_offload_says_what_host_memory_is_missing() -> None:
             world_size=2,
             device="cuda",
             device_memory="80GiB",
-            memory_limit=offload.estimated_peak_bytes + 1024,  # offload alone fits the device
+            # offload alone fits the device
+            memory_limit=offload.estimated_peak_bytes + offload.reserve_bytes + 1024,
             host_memory=offload.host_bytes // 2,  # but not the host
         )
     message = str(caught.value)
@@ -758,3 +766,25 @@ def test_cpu_offload_is_refused_on_cpu(
     model, optimizer, batch = tower
     with pytest.raises(ValueError, match="CPU_OFFLOAD.*CPU"):
         autoshard.plan(model, optimizer, batch, world_size=2, device="cpu", strategy="cpu_offload")
+
+
+def test_fsdp_keeps_one_units_sharded_gradient_free() -> None:
+    """FSDP2 candidates fit only with the largest unit's sharded gradient free beside their
+    estimated peak (a reduce-scatter's output may come before its input is freed); DDP's
+    reduce is in place."""
+    probe = make_inputs(8, AMPLE, SMALL_ACTIVATIONS)
+    largest = max((*STATS.block_numel, STATS.root_numel))
+    element = STATS.param_bytes / STATS.floating_numel
+    for strategy in SHARDED:
+        c = candidate(probe, strategy, 0)
+        assert c.reserve_bytes == round(-(-largest // 8) * element) > 0
+        tight = make_inputs(8, c.estimated_peak_bytes, SMALL_ACTIVATIONS)
+        assert not candidate(tight, strategy, 0).fits
+        enough = make_inputs(8, c.estimated_peak_bytes + c.reserve_bytes, SMALL_ACTIVATIONS)
+        assert candidate(enough, strategy, 0).fits
+    assert candidate(probe, Strategy.DDP, 0).reserve_bytes == 0
+    plan = decide(
+        make_inputs(8, peak(probe, Strategy.SHARD_GRAD_OP), SMALL_ACTIVATIONS), ALL, None, None
+    )
+    assert plan.strategy == Strategy.SHARD_GRAD_OP
+    assert "kept free beside it" in plan.reasons[-1]
