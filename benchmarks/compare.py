@@ -8,8 +8,9 @@ step whose per-rank peak memory is measured. Launch with torchrun:
     torchrun --standalone --nproc-per-node 2 benchmarks/compare.py --models gpt,mlp \
         --steps 5 --warmup 2 --out benchmarks/out
 
-Budgets (`memory_limit`, per rank) are by default derived from `autoshard.plan`'s estimates, so that
-each strategy in turn stops fitting:
+Budgets (`memory_limit`, per rank) are by default derived from `autoshard.plan`'s estimates (each
+with the reserve kept free beside it under FSDP2: what a candidate needs to fit), so that each
+strategy in turn stops fitting:
 
     generous  1.5x DDP's estimate without checkpointing: everything fits
     no_ddp    halfway between SHARD_GRAD_OP's and DDP's estimate (no checkpointing)
@@ -66,8 +67,9 @@ OVERHEAD_TARGET_S = 3.0
 
 
 def estimates(name: str, args: argparse.Namespace, world: int) -> dict[str, dict[str, int]]:
-    """Per strategy, the estimated per-rank peak without checkpointing ("plain") and the smallest
-    over any number of checkpointed blocks ("frugal"), from `autoshard.plan` (no wrapping).
+    """Per strategy, the per-rank memory a candidate needs to fit (its estimated peak and the
+    reserve kept free beside it) without checkpointing ("plain") and the smallest over any number
+    of checkpointed blocks ("frugal"), from `autoshard.plan` (no wrapping).
 
     A device memory of 1 byte makes nothing fit, so a forced strategy's plan shows both its plain
     candidate and its most frugal one."""
@@ -84,9 +86,13 @@ def estimates(name: str, args: argparse.Namespace, world: int) -> dict[str, dict
             strategy=strategy,
             mixed_precision=args.mixed_precision,
         )
-        peaks = [c.estimated_peak_bytes for c in plan.candidates]
+        # what a candidate needs to fit: its estimate and what is kept free beside it
+        needs = [c.estimated_peak_bytes + c.reserve_bytes for c in plan.candidates]
         plain = next(c for c in plan.candidates if c.activation_checkpointing == 0)
-        out[strategy] = {"plain": plain.estimated_peak_bytes, "frugal": min(peaks)}
+        out[strategy] = {
+            "plain": plain.estimated_peak_bytes + plain.reserve_bytes,
+            "frugal": min(needs),
+        }
     return out
 
 
