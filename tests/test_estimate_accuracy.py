@@ -156,11 +156,15 @@ def test_every_row_has_every_figure(result: dict) -> None:
         assert row["mixed_precision"] == "no"
         for key in ("predicted_bytes", "allocator_peak_bytes", "tracker_peak_bytes", "errors"):
             assert len(row[key]) == 2, key
-        # the allocator sees every tensor the tracker sees, and more (kernels' scratch memory)
-        for allocator, tracker in zip(
-            row["allocator_peak_bytes"], row["tracker_peak_bytes"], strict=True
+        # The allocator sees every tensor the tracker sees, and more (kernels' scratch memory).
+        # Compared on the raw peak, which drops only the frees the profiler reported: the
+        # corrected peak takes a gloo buffer whose free went unreported as freed when its
+        # collective ended, the earliest it can have been, and so may fall below the tracker in
+        # a step where a collective completed late (seen once on a busy machine, by 2.5%).
+        for raw, tracker in zip(
+            row["allocator_raw_peak_bytes"], row["tracker_peak_bytes"], strict=True
         ):
-            assert allocator >= 0.99 * tracker > 0
+            assert raw >= 0.99 * tracker > 0
         assert row["error"] == row["errors"][row["worst_rank"]]
 
 
