@@ -47,7 +47,8 @@ def tracked_step(
     if not strategy.sharded and setup.dtype is not None:
         autocast_hooks(model, setup.device.type, setup.dtype)
     in_place = strategy == Strategy.DDP  # DDP's buckets: every gradient lives from construction
-    stepped = not setup.checkpoint_all and not isinstance(optimizer, _STATE_FIRST)
+    # the exact classes: a subclass may override step()
+    stepped = not setup.checkpoint_all and type(optimizer) not in _STATE_FIRST
     if stepped:
         _first_step(model, optimizer, keep_grads=in_place)
     elif in_place:
