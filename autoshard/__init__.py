@@ -7,7 +7,8 @@ checkpointing from the memory every GPU really has free, and proves the choice w
 from autoshard._accelerate import accelerate_kwargs
 from autoshard._checkpoint import load, save
 from autoshard._data import shard_dataloader
-from autoshard._plan import Attempt, Candidate, DoesNotFit, Plan
+from autoshard._fit import DoesNotFit
+from autoshard._plan import Attempt, Candidate, Plan
 from autoshard._prepare import Prepared, plan, prepare
 from autoshard._strategy import Strategy
 

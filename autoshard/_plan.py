@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
+from autoshard._fit import DoesNotFit, shortfall
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile
-from autoshard._units import human, table_unit
+from autoshard._units import human
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ class Plan:
     unused_parameters: tuple[str, ...] = field(default=())
 
     def __str__(self) -> str:
+        from autoshard._render import render
+
         return render(self)
 
 
@@ -391,133 +394,3 @@ def _why(chosen: Candidate, shown: list[Candidate]) -> str:
         names = ", ".join(sorted({str(c.strategy) for c in faster}))
         text += f" ({names} would be faster but do not fit)"
     return text
-
-
-class DoesNotFit(ValueError):
-    """No candidate fits the usable memory; the message says how much is missing and what helps.
-
-    Attributes:
-        missing_bytes: per-rank bytes the most frugal candidate lacks (None when a trial step,
-            not the estimate, showed that nothing fits).
-    """
-
-    def __init__(self, message: str, missing_bytes: int | None) -> None:
-        super().__init__(message)
-        self.missing_bytes = missing_bytes
-
-    @classmethod
-    def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
-        device_missing = best.estimated_peak_bytes + best.reserve_bytes - inputs.usable_bytes
-        host_missing = host_shortfall(inputs, best)
-        activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
-        if device_missing > 0:
-            reserved = (
-                f" (and {human(best.reserve_bytes)} kept free for a reduce-scatter's timing)"
-                if best.reserve_bytes
-                else ""
-            )
-            need = (
-                f"needs {human(best.estimated_peak_bytes)} per rank{reserved} but "
-                f"{human(inputs.usable_bytes)} is usable: {human(device_missing)} missing"
-            )
-        else:
-            need = (
-                f"fits the device but needs {human(best.host_bytes)} of host memory per rank for "
-                f"the offloaded state, and {human(inputs.host_usable_bytes or 0)} is available: "
-                f"{human(host_missing)} missing"
-            )
-        return cls(
-            f"no strategy fits: the most frugal candidate, {best.strategy} with "
-            f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
-            f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
-            f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
-            f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
-            f"device has.",
-            max(device_missing, host_missing),
-        )
-
-
-def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
-    if inputs.host_usable_bytes is None or not c.host_bytes:
-        return 0
-    return c.host_bytes - inputs.host_usable_bytes
-
-
-def shortfall(inputs: PlanInputs, c: Candidate) -> int:
-    """How far a candidate is from fitting: device or host memory, whichever lacks more."""
-    device = c.estimated_peak_bytes + c.reserve_bytes - inputs.usable_bytes
-    return max(device, host_shortfall(inputs, c))
-
-
-_HEADER = (
-    "candidate",
-    "AC",
-    "params",
-    "grads",
-    "optim",
-    "activ",
-    "comm",
-    "temp",
-    "other",
-    "peak",
-    "step",
-    "fits",
-)
-
-
-def render(plan: Plan) -> str:
-    """The plan as a table: one row per candidate, bytes per rank, the chosen one marked."""
-    unit, size = table_unit(max((c.estimated_peak_bytes for c in plan.candidates), default=0))
-    rows: list[tuple[str, ...]] = [_HEADER]
-    for c in plan.candidates:
-        f = c.footprint
-        chosen = (
-            c.strategy == plan.strategy
-            and c.activation_checkpointing == plan.activation_checkpointing
-        )
-        terms = (
-            f.params,
-            f.grads,
-            f.optimizer_state,
-            f.activations,
-            f.comm_buffers,
-            f.temporaries,
-            f.overheads,
-            f.peak,
-        )
-        rows.append(
-            (
-                ("* " if chosen else "  ") + str(c.strategy),
-                f"{c.activation_checkpointing}/{plan.num_blocks}",
-                *(f"{x / size:.2f}" for x in terms),
-                f"{c.step_seconds * 1e3:.1f}ms",
-                "yes" if c.fits else "no",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
-
-    def line(row: tuple[str, ...]) -> str:
-        return "  ".join(
-            x.ljust(w) if i == 0 else x.rjust(w)
-            for i, (x, w) in enumerate(zip(row, widths, strict=True))
-        )
-
-    measured = plan.measured_peak_bytes
-    lines = [
-        f"autoshard plan: {plan.strategy}, mixed precision {plan.mixed_precision}, "
-        f"activation checkpointing {plan.activation_checkpointing}/{plan.num_blocks} blocks, "
-        f"world size {plan.world_size}",
-        f"usable memory per rank {human(plan.device_memory_bytes)}; estimated peak "
-        f"{human(plan.estimated_peak_bytes)}"
-        + (f"; measured {human(measured)}" if measured is not None else ""),
-        line(rows[0]) + f"   ({unit} per rank; step time modelled, for ranking only)",
-        *(line(row) for row in rows[1:]),
-    ]
-    for attempt in plan.attempts:
-        peak = attempt.measured_peak_bytes
-        lines.append(
-            f"trial: {attempt.strategy} AC {attempt.activation_checkpointing}: {attempt.outcome}"
-            + (f", measured peak {human(peak)}" if peak is not None else "")
-        )
-    lines.extend(f"- {reason}" for reason in plan.reasons)
-    return "\n".join(lines)

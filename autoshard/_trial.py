@@ -381,7 +381,7 @@ def _raise_error(outcome: Outcome, wrapping: Wrapping) -> None:
 
 
 def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:
-    from autoshard._plan import DoesNotFit
+    from autoshard._fit import DoesNotFit
 
     tried = "; ".join(
         f"{a.strategy} AC {a.activation_checkpointing}: {a.outcome}" for a in attempts

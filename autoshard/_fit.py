@@ -1,0 +1,66 @@
+"""How far a candidate is from fitting, and the error that says so when none fits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoshard._units import human
+
+if TYPE_CHECKING:
+    from autoshard._plan import Candidate, PlanInputs
+
+
+class DoesNotFit(ValueError):
+    """No candidate fits the usable memory; the message says how much is missing and what helps.
+
+    Attributes:
+        missing_bytes: per-rank bytes the most frugal candidate lacks (None when a trial step,
+            not the estimate, showed that nothing fits).
+    """
+
+    def __init__(self, message: str, missing_bytes: int | None) -> None:
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+
+    @classmethod
+    def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
+        device_missing = best.estimated_peak_bytes + best.reserve_bytes - inputs.usable_bytes
+        host_missing = host_shortfall(inputs, best)
+        activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
+        if device_missing > 0:
+            reserved = (
+                f" (and {human(best.reserve_bytes)} kept free for a reduce-scatter's timing)"
+                if best.reserve_bytes
+                else ""
+            )
+            need = (
+                f"needs {human(best.estimated_peak_bytes)} per rank{reserved} but "
+                f"{human(inputs.usable_bytes)} is usable: {human(device_missing)} missing"
+            )
+        else:
+            need = (
+                f"fits the device but needs {human(best.host_bytes)} of host memory per rank for "
+                f"the offloaded state, and {human(inputs.host_usable_bytes or 0)} is available: "
+                f"{human(host_missing)} missing"
+            )
+        return cls(
+            f"no strategy fits: the most frugal candidate, {best.strategy} with "
+            f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
+            f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
+            f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
+            f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
+            f"device has.",
+            max(device_missing, host_missing),
+        )
+
+
+def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
+    if inputs.host_usable_bytes is None or not c.host_bytes:
+        return 0
+    return c.host_bytes - inputs.host_usable_bytes
+
+
+def shortfall(inputs: PlanInputs, c: Candidate) -> int:
+    """How far a candidate is from fitting: device or host memory, whichever lacks more."""
+    device = c.estimated_peak_bytes + c.reserve_bytes - inputs.usable_bytes
+    return max(device, host_shortfall(inputs, c))
