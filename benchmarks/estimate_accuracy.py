@@ -192,16 +192,13 @@ def measure(
     cuda = CudaMeter(device) if device.type == "cuda" else None
     # autoshard measures kernel workspaces (convolutions) with the profiler, which cannot start
     # while this one runs: the same plan made first, outside it, measures them (kept per process).
+    choice: dict[str, Any] = {
+        "strategy": strategy,
+        "mixed_precision": mp,
+        "activation_checkpointing": ac,
+    }
     built = zoo.build(name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device)
-    autoshard.plan(
-        built.model,
-        built.optimizer,
-        built.batch,
-        loss_fn=built.loss_fn,
-        strategy=strategy,
-        mixed_precision=mp,
-        activation_checkpointing=ac,
-    )
+    autoshard.plan(built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **choice)
     del built
     gc.collect()
     with AllocatorProfile() as prof:
@@ -216,10 +213,8 @@ def measure(
             built.optimizer,
             built.batch,
             loss_fn=built.loss_fn,
-            strategy=strategy,
-            mixed_precision=mp,
-            activation_checkpointing=ac,
             trial_step=False,
+            **choice,
         )
         out["prepare_s"] = time.perf_counter() - started
         out.update(plan_figures(prepared.plan))
