@@ -122,7 +122,10 @@ def test_what_if_cuda_plan_says_workspace_is_not_counted() -> None:
     assert notes and "no CUDA device here" in notes[0], plan.reasons
 
 
-def test_cpu_plan_counts_workspace_in_the_estimate() -> None:
+# Both sides of the CPU split forced, whatever this CPU is: "auto" picks bf16 on CPUs with native
+# bf16 (autocast, where batch norm takes a bf16 input and fp32 weights) and fp32 elsewhere.
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_cpu_plan_counts_workspace_in_the_estimate(mixed_precision: str) -> None:
     model = _ConvNet()
     optimizer = torch.optim.AdamW(model.parameters())
     batch = torch.randn(16, 8, 32, 32)
@@ -132,7 +135,13 @@ def test_cpu_plan_counts_workspace_in_the_estimate() -> None:
 
     def estimate() -> int:
         plan = autoshard.plan(
-            model, optimizer, batch, loss_fn=loss_fn, strategy="ddp", world_size=2
+            model,
+            optimizer,
+            batch,
+            loss_fn=loss_fn,
+            strategy="ddp",
+            world_size=2,
+            mixed_precision=mixed_precision,
         )
         assert not any("kernel workspace" in r for r in plan.reasons), plan.reasons
         return plan.estimated_peak_bytes
