@@ -10,7 +10,7 @@ import json
 import pytest
 from _dist import REPO, run_torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STRATEGIES = {"ddp", "shard_grad_op", "full_shard", "auto"}
 BUDGETS = ["generous", "no_zero2"]
