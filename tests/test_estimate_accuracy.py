@@ -141,6 +141,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_row_per_model_and_strategy(result: dict) -> None:
     seen = sorted((r["model"], r["strategy"], r["checkpointed"] > 0) for r in result["rows"])
     assert seen == sorted((m, s, ac) for m in MODELS for s in STRATEGIES for ac in (False, True))
@@ -148,6 +149,7 @@ def test_a_row_per_model_and_strategy(result: dict) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_every_row_has_every_figure(result: dict) -> None:
     for row in result["rows"]:
         assert row["error_message"] is None, row["error_message"]
@@ -169,6 +171,7 @@ def test_every_row_has_every_figure(result: dict) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_stdout_has_the_table_and_the_summary(result: dict) -> None:
     assert "| model | world | strategy | mp | AC | predicted MiB |" in result["stdout"]
     assert "median |error|" in result["stdout"] and "worst |error|" in result["stdout"]
@@ -176,6 +179,7 @@ def test_stdout_has_the_table_and_the_summary(result: dict) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["ac_off", "ac_all"])
