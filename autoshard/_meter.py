@@ -11,7 +11,9 @@ FSDP2 allocates and frees its gathered parameters. C++-side buffers (gloo's) sta
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,3 +109,39 @@ def held_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
     return tensors
+
+
+@contextlib.contextmanager
+def caller_peak_kept(device: torch.device) -> Iterator[None]:
+    """Let the body reset the CUDA allocator's peak statistics to measure its own peak, and give
+    the caller's back afterwards: `max_memory_allocated` then reports at least what it did before.
+
+    The allocator has no setter for its peak: if the caller's peak was higher than anything since
+    the reset, one block bringing the allocated bytes up to it is allocated and freed again
+    (rounded up to the allocator's 512-byte granularity, so the peak lands on it or up to one
+    block-split threshold, 1 MiB, above). If that block needed a new segment, the unused cache is
+    released afterwards (`empty_cache`). The reserved peak (`max_memory_reserved`) cannot be put
+    back: it stays what the body left.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.max_memory_allocated(device)
+    try:
+        yield
+    finally:
+        _raise_allocated_peak(device, before)
+
+
+def _raise_allocated_peak(device: torch.device, peak: int) -> None:
+    missing = peak - torch.cuda.memory_allocated(device)
+    if torch.cuda.max_memory_allocated(device) >= peak or missing <= 0:
+        return
+    reserved = torch.cuda.memory_reserved(device)
+    try:
+        block = torch.empty(-(-missing // 512) * 512, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:  # the memory is no longer there: the peak stays lower
+        return
+    del block
+    if torch.cuda.memory_reserved(device) > reserved:
+        torch.cuda.empty_cache()

@@ -7,54 +7,12 @@ from dataclasses import dataclass, field, replace
 
 from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
 from autoshard._fit import DoesNotFit, shortfall
+
+# re-exported: the cost model's inputs are imported from here (Throughput, hardware_for)
+from autoshard._hardware import Hardware, Throughput, hardware_for  # noqa: F401
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile
 from autoshard._units import human
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Throughput assumptions of the cost model. They rank candidates against each other; they are
-    not predictions of step time.
-
-    Attributes:
-        flops_per_s: sustained matmul throughput in the compute dtype.
-        intra_node_bytes_per_s: collective bus bandwidth between ranks of one node.
-        inter_node_bytes_per_s: collective bus bandwidth across nodes.
-        memory_bytes_per_s: device memory bandwidth (FSDP2's copy-in/copy-out of gathered buffers).
-        collective_latency_s: fixed cost of launching one collective.
-        host_link_bytes_per_s: host <-> device copies under CPU offload (PCIe).
-        host_memory_bytes_per_s: host memory bandwidth, which bounds the optimizer step on CPU.
-    """
-
-    flops_per_s: float
-    intra_node_bytes_per_s: float
-    inter_node_bytes_per_s: float
-    memory_bytes_per_s: float
-    collective_latency_s: float
-    host_link_bytes_per_s: float = 2.5e10  # PCIe 4.0 x16, about 80% of 32 GB/s
-    host_memory_bytes_per_s: float = 2e10
-
-
-def hardware_for(
-    device_type: str, capability: tuple[int, int] | None, low_precision: bool
-) -> Hardware:
-    """Round figures for the device class: about half the datasheet peak, as training sustains."""
-    if device_type != "cuda":
-        # gloo over loopback/TCP; a CPU core sustains tens of GFLOP/s in fp32 matmul. Each FSDP2
-        # collective costs about 4 ms on gloo with its copy-in/out and Python bookkeeping:
-        # (FSDP step - DDP step) / collectives was 4-5 ms for three models on 2 ranks of a 2-core
-        # CPU (benchmarks/RESULTS.md, 2026-11-22).
-        return Hardware(5e10, 2e9, 1e9, 1e10, 4e-3)
-    major = capability[0] if capability else 8
-    if major >= 9:  # Hopper: ~990 TFLOP/s dense bf16, ~67 fp32 (TF32 off by default in torch)
-        flops = 4e14 if low_precision else 3e13
-    elif major == 8:  # Ampere: ~312 bf16, ~19.5 fp32
-        flops = 1.5e14 if low_precision else 1e13
-    else:  # Volta/Turing: ~125 fp16 tensor cores, ~15 fp32
-        flops = 6e13 if low_precision else 7e12
-    # NVLink-class intra-node bus bandwidth, 200 Gb/s-class inter-node, HBM-class memory.
-    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5)
 
 
 @dataclass(frozen=True)

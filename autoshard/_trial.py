@@ -29,7 +29,7 @@ from autoshard._agree import (
 from autoshard._apply import Wrapping, apply, ddp, sync_from_rank0
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
-from autoshard._meter import LiveBytes, held_tensors
+from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors
 from autoshard._plan import Attempt, Candidate
 from autoshard._snapshot import restore, take_snapshot
 from autoshard._strategy import Strategy
@@ -118,7 +118,7 @@ def _peak_meter(
         unrelated = torch.cuda.memory_allocated(device) - held_bytes(
             wrapping.module, optimizer, device
         )
-        torch.cuda.reset_peak_memory_stats(device)  # note: resets the caller's peak statistics
+        torch.cuda.reset_peak_memory_stats(device)  # the caller's peak: `caller_peak_kept`
         try:
             yield lambda: None
         finally:
@@ -142,6 +142,9 @@ def _memory_cap(wrapping: Wrapping, limit: int | None) -> Iterator[None]:
     total = torch.cuda.get_device_properties(device).total_memory
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     previous = getter(device) if getter is not None else 1.0  # the caller's own cap, if any
+    # The cap is checked only when the allocator reserves a new segment: blocks already cached
+    # (a caller's freed tensors) would be reused beyond it. Release them first.
+    torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(min(previous, limit / total), device)
     try:
         yield
@@ -166,7 +169,10 @@ def attempt(
     # backward next to it, which is the peak every later step reaches.
     steps = 1 if optimizer.state else 2
     started = time.perf_counter()
-    with _sync_points(wrapping, agreement), _memory_cap(wrapping, limit):
+    # The caller's peak statistics are given back after the cap is lifted (the block restoring
+    # them may be larger than the cap).
+    peak_kept = caller_peak_kept(wrapping.world.device)
+    with peak_kept, _sync_points(wrapping, agreement), _memory_cap(wrapping, limit):
         with _peak_meter(wrapping, optimizer, box) as between_steps:
             try:
                 for index in range(steps):

@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoshard._meter import caller_peak_kept
+
 logger = logging.getLogger("autoshard")
 
 aten = torch.ops.aten
@@ -159,12 +161,13 @@ def _real(x: Any, device: torch.device) -> Any:
 def _held_cuda(func: Any, args: Any, kwargs: Any, device: torch.device) -> int:
     """The allocator's peak during the call, less what is still allocated after it (its outputs
     and everything allocated before)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)  # note: resets the caller's peak statistics
-    result = func(*args, **kwargs)
-    torch.cuda.synchronize(device)
-    held = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    del result
+    with caller_peak_kept(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = func(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        held = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        del result
     return max(0, held)
 
 

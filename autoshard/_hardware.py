@@ -1,0 +1,111 @@
+"""The cost model's throughput figures: round constants per device class, or measured ones.
+
+`hardware_for` gives the constants; a `Throughput` measured on the device (the GPU suite,
+`benchmarks/gpu_suite.py`, measures bf16 matmul FLOP/s and device memory bandwidth) replaces the
+figures it names. Pure: nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughput assumptions of the cost model. They rank candidates against each other; they are
+    not predictions of step time.
+
+    Attributes:
+        flops_per_s: sustained matmul throughput in the compute dtype.
+        intra_node_bytes_per_s: collective bus bandwidth between ranks of one node.
+        inter_node_bytes_per_s: collective bus bandwidth across nodes.
+        memory_bytes_per_s: device memory bandwidth (FSDP2's copy-in/copy-out of gathered buffers).
+        collective_latency_s: fixed cost of launching one collective.
+        host_link_bytes_per_s: host <-> device copies under CPU offload (PCIe).
+        host_memory_bytes_per_s: host memory bandwidth, which bounds the optimizer step on CPU.
+        source: where the figures came from (constants, or which of them were measured).
+    """
+
+    flops_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    memory_bytes_per_s: float
+    collective_latency_s: float
+    host_link_bytes_per_s: float = 2.5e10  # PCIe 4.0 x16, about 80% of 32 GB/s
+    host_memory_bytes_per_s: float = 2e10
+    source: str = "constants for the device class"
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Figures measured on the device; None leaves the constant in place.
+
+    Attributes:
+        flops_per_s: sustained matmul FLOP/s in the compute dtype (a large square matmul).
+        memory_bytes_per_s: device memory bandwidth, bytes read plus written per second by a
+            large copy.
+        where: how and where they were measured, for the plan's reasons and reports.
+    """
+
+    flops_per_s: float | None = None
+    memory_bytes_per_s: float | None = None
+    where: str = "measured"
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_s", "memory_bytes_per_s"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"Throughput.{name} must be a number of per-second units or None, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"Throughput.{name} must be a finite positive number, got {value!r}; "
+                    f"pass None to keep the constant"
+                )
+
+
+def hardware_for(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    low_precision: bool,
+    measured: Throughput | None = None,
+) -> Hardware:
+    """Round figures for the device class: about half the datasheet peak, as training sustains;
+    each figure `measured` gives replaces its constant."""
+    hardware = _constants(device_type, capability, low_precision)
+    if measured is None:
+        return hardware
+    taken = {
+        name: value
+        for name in ("flops_per_s", "memory_bytes_per_s")
+        if (value := getattr(measured, name)) is not None
+    }
+    if not taken:
+        return hardware
+    names = " and ".join(name.removesuffix("_per_s").replace("_", " ") for name in taken)
+    return replace(hardware, **taken, source=f"{names} {measured.where}; the rest constants")
+
+
+def _constants(
+    device_type: str, capability: tuple[int, int] | None, low_precision: bool
+) -> Hardware:
+    if device_type != "cuda":
+        # gloo over loopback/TCP; a CPU core sustains tens of GFLOP/s in fp32 matmul. Each FSDP2
+        # collective costs about 4 ms on gloo with its copy-in/out and Python bookkeeping:
+        # (FSDP step - DDP step) / collectives was 4-5 ms for three models on 2 ranks of a 2-core
+        # CPU (benchmarks/RESULTS.md, 2026-11-22).
+        return Hardware(5e10, 2e9, 1e9, 1e10, 4e-3)
+    major = capability[0] if capability else 8
+    if major >= 9:  # Hopper: ~990 TFLOP/s dense bf16, ~67 fp32 (TF32 off by default in torch)
+        flops = 4e14 if low_precision else 3e13
+    elif major == 8:  # Ampere: ~312 bf16, ~19.5 fp32
+        flops = 1.5e14 if low_precision else 1e13
+    else:  # Volta/Turing: ~125 fp16 tensor cores, ~15 fp32
+        flops = 6e13 if low_precision else 7e12
+    # NVLink-class intra-node bus bandwidth, 200 Gb/s-class inter-node, HBM-class memory.
+    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5)

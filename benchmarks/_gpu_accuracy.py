@@ -1,0 +1,387 @@
+"""GPU suite, estimate accuracy: autoshard's estimate of each strategy against the memory the
+allocator really gave out, on GPU-sized models (`gpu_suite.py` section "accuracy").
+
+World size 1 runs inside a one-rank process group (NCCL on CUDA, gloo on the CPU dry run):
+`autoshard.prepare(strategy=..., trial_step=False)` wraps, two steps create the optimizer state,
+two more are measured. World size 8 runs on the one device through a fake process group: its
+collectives do nothing, but every allocation is real, so the measured peak is one rank's memory
+in an 8-rank job. Its estimate comes from `autoshard.plan(world_size=8)` made before the group
+exists (what-if), and the model is wrapped by the code `prepare` uses (`_apply.apply`).
+
+The figures compared, per configuration:
+- estimate: the chosen candidate's tensor terms (`footprint.peak - footprint.overheads`: the
+  overheads are what no allocation shows, the CUDA context and NCCL's buffers, plus a stated
+  allocator margin), against the measured peak: `torch.cuda.max_memory_allocated` over the
+  measured steps less what was allocated before the model was built; on the CPU dry run the
+  live tensor bytes (`autoshard._meter.LiveBytes`, what the trial step measures on CPU).
+- reserved: `torch.cuda.max_memory_reserved` over the whole configuration less what was reserved
+  before it, against the usable memory the plan fitted to (CUDA only).
+- step time: the cost model's step time with its constants, and with the measured throughput of
+  the calibration section (`Throughput`), beside the measured median step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from _gpu_models import build, configs, models_for
+
+import autoshard
+import autoshard._prepare as prepare_module
+from autoshard._apply import apply, start
+from autoshard._blocks import find_blocks
+from autoshard._meter import LiveBytes, held_tensors
+from autoshard._plan import PlanInputs, Throughput, hardware_for, step_seconds
+from autoshard._world import World
+
+MEDIAN_TARGET = 0.03  # median |error|
+WORST_TARGET = 0.08  # worst |error|
+UNDER_TARGET = -0.03  # no underestimate worse than this
+WARMUP, MEASURED = 2, 2
+
+
+class Meter:
+    """The peak over the measured steps: the CUDA allocator's, or the live tensor bytes on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.allocated_before = torch.cuda.memory_allocated(device) if self.cuda else 0
+        self.reserved_before = torch.cuda.memory_reserved(device) if self.cuda else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)  # from here on: the whole configuration
+        self.peak: int | None = None
+
+    @contextlib.contextmanager
+    def steps(self, model: Any, optimizer: Any, batch: Any) -> Iterator[None]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            reserved_peak = torch.cuda.max_memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.allocated_before
+            self._reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(self.device))
+            return
+        live = LiveBytes([*held_tensors(model, optimizer), *batch])
+        with live:
+            yield
+        self.peak = live.peak
+
+    def reserved(self) -> int | None:
+        """Reserved at most over the configuration, less what was reserved before it."""
+        if not self.cuda:
+            return None
+        return self._reserved_peak - self.reserved_before
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step(model: Any, optimizer: Any, batch: tuple[Any, ...], loss_fn: Any) -> None:
+    loss = loss_fn(model(*batch), batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def chosen(plan: autoshard.Plan) -> Any:
+    return next(
+        c
+        for c in plan.candidates
+        if c.strategy == plan.strategy
+        and c.activation_checkpointing == plan.activation_checkpointing
+    )
+
+
+@contextlib.contextmanager
+def captured_inputs() -> Iterator[list[PlanInputs]]:
+    """The decision's inputs as `prepare`/`plan` hand them to `decide` (for the cost model)."""
+    seen: list[PlanInputs] = []
+    real = prepare_module.decide
+
+    def spy(inputs: PlanInputs, *args: Any, **kwargs: Any) -> Any:
+        seen.append(inputs)
+        return real(inputs, *args, **kwargs)
+
+    with mock.patch.object(prepare_module, "decide", spy):
+        yield seen
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A process group of one rank: NCCL on CUDA, gloo on CPU."""
+    store = dist.HashStore()
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=0, world_size=1, store=store, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int) -> Iterator[None]:
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_pg.FakeStore())
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def measure(
+    name: str,
+    world: int,
+    strategy: str,
+    checkpoint_all: bool,
+    models: dict[str, Any],
+    device: torch.device,
+    mixed_precision: str,
+    throughput: Throughput | None,
+) -> dict[str, Any]:
+    """One configuration's figures (its process group must exist already for world 1)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    meter = Meter(device)
+    options = dict(
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=checkpoint_all,
+    )
+    started = time.perf_counter()
+    if world == 1:
+        built = build(name, models, device)
+        with captured_inputs() as seen:
+            prepared = autoshard.prepare(
+                built.model,
+                built.optimizer,
+                built.batch,
+                loss_fn=built.loss_fn,
+                trial_step=False,
+                **options,
+            )
+        model, plan, batch = prepared.model, prepared.plan, built.batch
+        times = run_steps(model, built.optimizer, batch, built.loss_fn, meter, device)
+    else:
+        # on the host: each FSDP2 unit moves only its own shard to the device
+        built = build(name, models, torch.device("cpu"))
+        with captured_inputs() as seen:
+            plan = autoshard.plan(
+                built.model,
+                built.optimizer,
+                built.batch,
+                loss_fn=built.loss_fn,
+                world_size=world,
+                device=device.type,
+                **options,
+            )
+        with fake_group(world):
+            model = wrap_at(built, plan, world, device)
+            batch = tuple(t.to(device) for t in built.batch)
+            times = run_steps(model, built.optimizer, batch, built.loss_fn, meter, device)
+            del model, batch
+    row = figures(plan, meter, times, seen[-1], throughput)
+    row.update(
+        model=name,
+        world_size=world,
+        strategy=strategy,
+        checkpointed=plan.activation_checkpointing,
+        num_blocks=plan.num_blocks,
+        mixed_precision=plan.mixed_precision,
+        params=sum(p.numel() for p in built.model.parameters()),
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return row
+
+
+def wrap_at(built: Any, plan: autoshard.Plan, world: int, device: torch.device) -> Any:
+    """Wrap as `prepare` would on rank 0 of a `world`-rank job, over the fake group."""
+    names = [name for name, _ in find_blocks(built.model)]
+    here = World(0, 0, world, world, "fake", device, True, ())
+    wrapping = start(built.model, names, here, plan.mixed_precision, find_unused=False)
+    apply(wrapping, built.optimizer, plan.strategy, plan.activation_checkpointing)
+    return wrapping.model
+
+
+def run_steps(
+    model: Any, optimizer: Any, batch: Any, loss_fn: Any, meter: Meter, device: torch.device
+) -> list[float]:
+    for _ in range(WARMUP):  # the optimizer state exists from the first step on
+        step(model, optimizer, batch, loss_fn)
+    times = []
+    with meter.steps(model, optimizer, batch):
+        for _ in range(MEASURED):
+            sync(device)
+            t0 = time.perf_counter()
+            step(model, optimizer, batch, loss_fn)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def figures(
+    plan: autoshard.Plan,
+    meter: Meter,
+    times: list[float],
+    inputs: PlanInputs,
+    throughput: Throughput | None,
+) -> dict[str, Any]:
+    candidate = chosen(plan)
+    estimate = candidate.estimated_peak_bytes - candidate.footprint.overheads
+    assert meter.peak is not None
+    reserved = meter.reserved()
+    modelled_measured = None
+    if throughput is not None:
+        device_type, low = inputs.setting.device_type, inputs.setting.compute_bytes < 4
+        hardware = hardware_for(device_type, _capability(device_type), low, throughput)
+        modelled_measured = step_seconds(
+            replace(inputs, hardware=hardware), plan.strategy, plan.activation_checkpointing
+        )
+    return {
+        "estimate_bytes": estimate,
+        "estimate_with_overheads_bytes": candidate.estimated_peak_bytes,
+        "measured_bytes": meter.peak,
+        "error": (estimate - meter.peak) / meter.peak,
+        "reserved_bytes": reserved,
+        "usable_bytes": plan.device_memory_bytes,
+        "reserve_bytes": candidate.reserve_bytes,
+        "reserved_within_usable": None
+        if reserved is None
+        else reserved <= plan.device_memory_bytes,
+        "step_s": statistics.median(times),
+        "modelled_step_s": candidate.step_seconds,
+        "modelled_step_s_measured_throughput": modelled_measured,
+        "footprint": {k: int(v) for k, v in vars(candidate.footprint).items()},
+        # simulated or analytic, and at how many ranks (the plan's reason)
+        "estimated_by": next((r for r in plan.reasons if r.startswith("estimates")), "")[:400],
+    }
+
+
+def _capability(device_type: str) -> tuple[int, int] | None:
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability()
+    return None
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst |error|, the most negative error, and each against its target."""
+    done = [r for r in rows if "error" in r and isinstance(r["error"], float)]
+    if not done:
+        return {"configurations": 0, "met": False}
+    errors = [r["error"] for r in done]
+    median = statistics.median(abs(e) for e in errors)
+    worst = max(done, key=lambda r: abs(r["error"]))
+    lowest = min(errors)
+    reserved = [
+        r["reserved_within_usable"] for r in done if r["reserved_within_usable"] is not None
+    ]
+    out = {
+        "configurations": len(done),
+        "median_abs_error": median,
+        "worst_abs_error": abs(worst["error"]),
+        "worst_at": f"{worst['model']} world {worst['world_size']} {worst['strategy']}",
+        "most_negative_error": lowest,
+        "median_ok": median <= MEDIAN_TARGET,
+        "worst_ok": abs(worst["error"]) <= WORST_TARGET,
+        "underestimate_ok": lowest >= UNDER_TARGET,
+        "reserved_ok": all(reserved) if reserved else None,
+    }
+    out["met"] = bool(
+        out["median_ok"]
+        and out["worst_ok"]
+        and out["underestimate_ok"]
+        and out["reserved_ok"] in (True, None)
+    )
+    return out
+
+
+def run(
+    device: torch.device,
+    dry_run: bool,
+    deadline: float,
+    throughput: Throughput | None,
+    progress: Any,
+) -> dict[str, Any]:
+    """Every configuration in turn until `deadline` nears (those left are listed as skipped);
+    `progress(result)` is called after each so that a hard stop keeps what finished. A run of
+    world-1 configurations shares one one-rank group; it is destroyed before a world-8 one."""
+    runner = Runner(device, models_for(dry_run), "no" if dry_run else "bf16", throughput, deadline)
+    with contextlib.ExitStack() as group:
+        for config in configs(dry_run):
+            if config[1] == 1 and not runner.grouped:
+                group.enter_context(one_rank_group(device))
+                runner.grouped = True
+            elif config[1] != 1 and runner.grouped:
+                group.close()
+                runner.grouped = False
+            runner.one(config)
+            progress(runner.result)
+    runner.result["summary"] = summary(runner.result["rows"])
+    return runner.result
+
+
+class Runner:
+    """Measures configurations one by one, skipping those the time left cannot hold."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        models: dict[str, Any],
+        mixed_precision: str,  # "no" on the dry run: the CPU here does not compute bf16 natively
+        throughput: Throughput | None,
+        deadline: float,
+    ) -> None:
+        self.device, self.models, self.mp = device, models, mixed_precision
+        self.throughput, self.deadline = throughput, deadline
+        self.result: dict[str, Any] = {
+            "rows": [],
+            "skipped": [],
+            "mixed_precision": mixed_precision,
+        }
+        self.longest = 0.0  # the longest configuration so far: the next may take as long
+        self.grouped = False
+
+    def one(self, config: tuple[str, int, str, bool]) -> None:
+        name, world, strategy, all_blocks = config
+        label = f"{name} world {world} {strategy}{' AC all' if all_blocks else ''}"
+        if time.time() + self.longest > self.deadline:
+            self.result["skipped"].append(f"{label} (the section's time budget would be exceeded)")
+            return
+        started = time.perf_counter()
+        try:
+            row = measure(
+                name,
+                world,
+                strategy,
+                all_blocks,
+                self.models,
+                self.device,
+                self.mp,
+                self.throughput,
+            )
+        except Exception as error:  # recorded; the next configuration still runs
+            row = {"model": name, "world_size": world, "strategy": strategy}
+            row["failed"] = f"{type(error).__name__}: {error}"[:500]
+        self.result["rows"].append(row)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.longest = max(self.longest, time.perf_counter() - started)

@@ -1,0 +1,198 @@
+"""The GPU suite's report: report.json as the sections left it, report.md for people."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+
+def junit_cases(path: Path) -> list[dict[str, Any]]:
+    """Each test case of a pytest JUnit XML: name, outcome, seconds, message, captured output."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            found = case.find(tag)
+            if found is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (found.get("message") or found.text or "")[:2000]
+        output = case.find("system-out")
+        cases.append(
+            {
+                "name": case.get("name", "?"),
+                "outcome": outcome,
+                "seconds": float(case.get("time", 0) or 0),
+                "message": message,
+                "output": (output.text or "")[-3000:] if output is not None else "",
+            }
+        )
+    return cases
+
+
+def _gib(value: Any) -> str:
+    return "-" if value is None else f"{value / GiB:.2f}"
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def _count(value: int) -> str:
+    return f"{value / 1e6:.0f}M" if value >= 10**6 else f"{value / 1e3:.0f}k"
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def tests_md(result: dict[str, Any]) -> list[str]:
+    counts = result["counts"]
+    lines = [
+        f"`{result['command']}`: exit {result['returncode']}; {counts['passed']} passed, "
+        f"{counts['failed']} failed, {counts['skipped']} skipped",
+        "",
+        "| test | outcome | s | message |",
+        "|---|---|---|---|",
+    ]
+    for c in result["cases"]:
+        message = c["message"].splitlines()[0][:160] if c["message"] else ""
+        lines.append(f"| {c['name']} | {c['outcome']} | {c['seconds']:.1f} | {message} |")
+    return lines
+
+
+def compat_md(result: dict[str, Any]) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+    lines = [versions, "", "| feature | present | used by | without it |", "|---|---|---|---|"]
+    for r in result["features"]:
+        present = "yes" if r["present"] else f"**no** {r['note']}"
+        lines.append(f"| {r['feature']} | {present} | {r['used_by']} | {r['fallback']} |")
+    return lines
+
+
+def calibration_md(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"matmul in {result['dtype']}; a figure off by more than 20% is taken from the measurement",
+        "",
+        "| figure | constant (`hardware_for`) | measured | off by | used |",
+        "|---|---|---|---|---|",
+    ]
+    taken = result["throughput"]
+    for name, f in result["figures"].items():
+        used = "measured" if taken.get(name) is not None else "constant"
+        lines.append(
+            f"| {name} | {f['constant']:.3g} | {f['measured']:.3g} | {_pct(f['off_by'])} | {used} |"
+        )
+    hw = result["hardware"]
+    lines += ["", f"`hardware_for(..., measured=Throughput(...))` gives: {json.dumps(hw)}"]
+    return lines
+
+
+def accuracy_md(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"mixed precision {result['mixed_precision']}; estimate = tensor terms (overheads left "
+        f"out), measured = allocator peak over the measured steps; error = (estimate - "
+        f"measured) / measured",
+        "",
+        "| model | world | strategy | AC | params | estimate GiB | measured GiB | error | "
+        "reserved GiB | usable GiB | step (measured) | modelled (constants) | "
+        "modelled (measured throughput) |",
+        "|" + "---|" * 13,
+    ]
+    for r in result["rows"]:
+        lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} |"
+        if "failed" in r:
+            lines.append(f"{lead} failed: {r['failed'][:200]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"{lead} {r['checkpointed']}/{r['num_blocks']} | {_count(r['params'])} | "
+            f"{_gib(r['estimate_bytes'])} | {_gib(r['measured_bytes'])} | {_pct(r['error'])} | "
+            f"{_gib(r['reserved_bytes'])} | {_gib(r['usable_bytes'])} | {_seconds(r['step_s'])} "
+            f"| {_seconds(r['modelled_step_s'])} | "
+            f"{_seconds(r['modelled_step_s_measured_throughput'])} |"
+        )
+    for skipped in result.get("skipped", []):
+        lines.append(f"\nskipped: {skipped}")
+    s = result.get("summary")
+    if s and s.get("configurations"):
+        verdict = {True: "met", False: "NOT met", None: "not measured"}
+        lines += [
+            "",
+            f"- median |error| {100 * s['median_abs_error']:.1f}% (target <= 3%: "
+            f"{verdict[s['median_ok']]})",
+            f"- worst |error| {100 * s['worst_abs_error']:.1f}% at {s['worst_at']} (target <= 8%: "
+            f"{verdict[s['worst_ok']]})",
+            f"- most negative error {_pct(s['most_negative_error'])} (target >= -3%: "
+            f"{verdict[s['underestimate_ok']]})",
+            f"- reserved peak within the usable memory: {verdict[s['reserved_ok']]}",
+        ]
+    return lines
+
+
+def oom_md(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"memory_limit {_gib(result['limit_bytes'])} GiB",
+        "",
+        "| attempt | outcome |",
+        "|---|---|",
+    ]
+    for a in result["attempts"]:
+        lines.append(
+            f"| {a['strategy']} AC {a['checkpointed']}/{result['num_blocks']} | {a['outcome']} |"
+        )
+    before, after = result["caller_before"], result["caller_after"]
+    lines += ["", f"losses after prepare: {', '.join(f'{x:.4g}' for x in result['losses'])}"]
+    if before:
+        lines += [
+            f"- caller's memory fraction {before['fraction']} before, {after['fraction']} after "
+            f"(restored: {result['fraction_restored']})",
+            f"- caller's max_memory_allocated {_gib(before['peak_allocated'])} GiB before, "
+            f"{_gib(after['peak_allocated'])} GiB after (kept: {result['peak_restored']})",
+        ]
+    return lines
+
+
+RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "tests": tests_md,
+    "compat": compat_md,
+    "calibration": calibration_md,
+    "accuracy": accuracy_md,
+    "oom": oom_md,
+}
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    m = report["machine"]
+    kind = (
+        "dry run (CPU, small sizes: the figures check the code, not the GPU)"
+        if report["dry_run"]
+        else "GPU run"
+    )
+    lines = [
+        f"# autoshard GPU suite: {kind}",
+        "",
+        f"{report['date']}; {report['seconds']:.0f} s; torch {m.get('torch')}, CUDA "
+        f"{m.get('cuda')}, GPU {m.get('gpu')} (capability {m.get('capability')}, "
+        f"{_gib(m.get('gpu_memory_bytes'))} GiB); {m.get('cpu_count')} CPUs",
+    ]
+    for name, entry in report["sections"].items():
+        budget = report["budgets_s"].get(name)
+        lines += [
+            "",
+            f"## {name}: {entry['status']} ({entry.get('seconds', '-')} s of {budget} s)",
+            "",
+        ]
+        if entry.get("error"):
+            lines.append(f"error: `{entry['error'][:600]}`")
+        result = entry.get("result")
+        if result:
+            try:
+                lines += RENDER[name](result)
+            except Exception as error:  # a partial result may lack fields: the JSON has it all
+                lines.append(f"(not rendered: {type(error).__name__}: {error}; see report.json)")
+    (out / "report.md").write_text("\n".join(lines) + "\n")

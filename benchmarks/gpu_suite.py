@@ -1,0 +1,340 @@
+"""The GPU proof in one command: autoshard's CUDA paths, its estimates against the caching
+allocator, a real out-of-memory and its fallback, the cost model's constants against measured
+throughput, and which private torch features this torch has.
+
+    python benchmarks/gpu_suite.py --out DIR            # one CUDA GPU, at most 8 minutes
+    python benchmarks/gpu_suite.py --out DIR --dry-run  # CPU, small sizes: the same code paths
+
+Writes DIR/report.md and DIR/report.json. Sections, in order, each with its own time budget and
+a hard stop (a section past its budget is killed and recorded; the next one still runs):
+
+- tests: `pytest -m gpu tests/test_gpu.py` (on the dry run they skip: no CUDA);
+- compat: every torch feature autoshard checks for at run time, present or absent, and what
+  falls back without it (`_gpu_compat.FEATURES`);
+- calibration: bf16 matmul FLOP/s and memory bandwidth measured beside `hardware_for`'s
+  constants; a figure off by more than 20% is taken from the measurement (`Throughput`);
+- accuracy: the estimate of each strategy against `torch.cuda.max_memory_allocated` on
+  GPU-sized models, at world size 1 (one-rank NCCL group) and 8 (fake group: allocations real,
+  collectives free); reserved peak against the usable memory; modelled against measured step
+  time (`_gpu_accuracy.py`);
+- oom: a real CUDA OOM under `memory_limit`, the fallback, and the caller's memory fraction and
+  peak statistics afterwards (`_gpu_checks.oom_fallback`).
+
+The sections other than tests run in one worker process (`--worker`), which is started again
+after a section that was killed or crashed it; the tests run first, while no other process of
+the suite holds GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# Seconds each section may run (GPU, dry run); their sum stays within TOTAL_BUDGET_S with room
+# for the worker's start-up (importing torch), which counts against the first section it runs.
+BUDGETS = {
+    "tests": (130, 120),
+    "compat": (25, 60),
+    "calibration": (30, 60),
+    "accuracy": (200, 120),
+    "oom": (60, 90),
+}
+TOTAL_BUDGET_S = 8 * 60
+ORDER = tuple(BUDGETS)
+WORKER_SECTIONS = ORDER[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: runs the tests, supervises the worker, writes the report
+
+
+def run_tests(out: Path, budget: float) -> dict[str, Any]:
+    """`pytest -m gpu tests/test_gpu.py`, its outcome per test from its JUnit XML."""
+    xml = out / "tests.xml"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "tests/test_gpu.py",
+        "-q",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        "-o",
+        "junit_logging=all",
+    ]
+    completed = _run(command, budget, out / "tests.log")
+    from _gpu_report import junit_cases
+
+    cases = junit_cases(xml) if xml.exists() else []
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "skipped")}
+    if completed is None:
+        raise TimeoutError(f"pytest ran past its {budget:.0f}s budget and was stopped")
+    return {"returncode": completed, "counts": counts, "cases": cases, "command": " ".join(command)}
+
+
+def _run(command: list[str], budget: float, log: Path) -> int | None:
+    """Run `command` in its own process group; None if it was killed at `budget` seconds."""
+    process = _start(command, log)
+    try:
+        return process.wait(timeout=budget)
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        return None
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen[Any]:
+    """`command` in the repository, in a process group of its own, its output appended to `log`."""
+    with log.open("a") as sink:
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), path) if p)}
+
+
+def _kill(process: subprocess.Popen[Any]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the group this suite started for it
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def supervise(out: Path, dry_run: bool, sections: list[str], started: float) -> None:
+    """Run `sections` in worker processes; kill one at a section's hard stop and go on."""
+    state = out / "sections"
+    pending = list(sections)
+    while pending:
+        if not _within_total(pending[0], dry_run, started, state):
+            return
+        command = [sys.executable, __file__, "--worker", "--out", str(out), "--sections"]
+        command.append(",".join(pending))
+        command += ["--dry-run"] if dry_run else []
+        worker = _start(command, out / "worker.log")
+        pending = _watch(worker, pending, state, dry_run, time.time())
+
+
+def _within_total(section: str, dry_run: bool, started: float, state: Path) -> bool:
+    if dry_run or time.time() - started + BUDGETS[section][0] <= TOTAL_BUDGET_S:
+        return True
+    for name in ORDER[ORDER.index(section) :]:
+        if not (state / f"{name}.json").exists():
+            _record(state, name, "not run", error="the suite's 8-minute budget would be exceeded")
+    return False
+
+
+def _watch(
+    worker: subprocess.Popen[Any], pending: list[str], state: Path, dry_run: bool, launched: float
+) -> list[str]:
+    """Wait for the worker; returns the sections still to run (after a kill or a crash)."""
+    while True:
+        exited = worker.poll() is not None  # read before the results, which it wrote first
+        current = next((s for s in pending if not (state / f"{s}.json").exists()), None)
+        if current is None:
+            worker.wait()
+            return []
+        began = _started_at(state, current) or launched
+        budget = BUDGETS[current][1 if dry_run else 0]
+        if exited:  # without finishing `current`: it crashed there
+            why = f"the worker exited with {worker.returncode} during this section"
+            _record(state, current, "crashed", error=f"{why} (see worker.log)", began=began)
+            return pending[pending.index(current) + 1 :]
+        if time.time() - began > budget:
+            _kill(worker)
+            if not (state / f"{current}.json").exists():  # it may have finished meanwhile
+                why = f"stopped at its {budget}s budget (see worker.log)"
+                _record(state, current, "timed out", error=why, began=began)
+            return pending[pending.index(current) + 1 :]
+        time.sleep(0.2)
+
+
+def _started_at(state: Path, section: str) -> float | None:
+    marker = state / f"{section}.started"
+    return float(marker.read_text()) if marker.exists() else None
+
+
+def _record(state: Path, name: str, status: str, *, error: str, began: float | None = None) -> None:
+    entry: dict[str, Any] = {"status": status, "error": error}
+    if began is not None:
+        entry["seconds"] = round(time.time() - began, 1)
+    partial = state / f"{name}.partial.json"
+    if partial.exists():  # what the section finished before it was stopped
+        entry["result"] = json.loads(partial.read_text())
+    (state / f"{name}.json").write_text(json.dumps(entry, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one section after another, each result written as it finishes
+
+
+def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
+    import _gpu_accuracy
+    import _gpu_checks
+    import _gpu_compat
+    import torch
+
+    state = out / "sections"
+    cuda = torch.cuda.is_available() and not dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    (state / "machine.json").write_text(json.dumps(_worker_machine(torch, cuda)))
+
+    def calibration() -> Any:
+        return _gpu_checks.calibrate(device, dry_run)
+
+    def accuracy() -> Any:
+        from autoshard._plan import Throughput
+
+        budget = BUDGETS["accuracy"][1 if dry_run else 0]
+        deadline = time.time() + budget - 10  # leave time to write what finished
+        calibrated = _result(state, "calibration")
+        throughput = Throughput(**calibrated["throughput"]) if calibrated else None
+
+        def progress(result: Any) -> None:
+            (state / "accuracy.partial.json").write_text(json.dumps(result, indent=1))
+
+        return _gpu_accuracy.run(device, dry_run, deadline, throughput, progress)
+
+    def oom() -> Any:
+        size = _gpu_checks.DRY_SIZE if dry_run else _gpu_checks.GPU_SIZE
+        return _gpu_checks.oom_fallback(device, size)
+
+    bodies = {
+        "compat": _gpu_compat.compat,
+        "calibration": calibration,
+        "accuracy": accuracy,
+        "oom": oom,
+    }
+    for name in sections:
+        (state / f"{name}.started").write_text(repr(time.time()))
+        began = time.time()
+        try:
+            if not dry_run and not cuda:
+                raise RuntimeError("no CUDA device here: run with --dry-run on a CPU")
+            entry = {"status": "ok", "result": bodies[name]()}
+        except Exception as error:  # recorded; the next section still runs
+            entry = {
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}"[:1000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        entry["seconds"] = round(time.time() - began, 1)
+        (state / f"{name}.json").write_text(json.dumps(entry, indent=1, default=str))
+
+
+def _result(state: Path, name: str) -> Any:
+    path = state / f"{name}.json"
+    if not path.exists():
+        return None
+    entry = json.loads(path.read_text())
+    return entry.get("result") if entry.get("status") == "ok" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def machine(state: Path) -> dict[str, Any]:
+    """The host, and the torch and GPU the worker saw (if it ran)."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
+    seen = state / "machine.json"
+    if seen.exists():
+        info.update(json.loads(seen.read_text()))
+    return info
+
+
+def _worker_machine(torch: Any, cuda: bool) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0) if cuda else None
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": props.name if props else None,
+        "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+        "gpu_memory_bytes": props.total_memory if props else None,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for report.md/report.json")
+    p.add_argument("--dry-run", action="store_true", help="on the CPU, small sizes")
+    p.add_argument("--sections", default=",".join(ORDER), help=f"comma-separated, of {ORDER}")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = [s for s in args.sections if s not in ORDER]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(ORDER)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    out: Path = args.out.resolve()
+    if args.worker:
+        worker(out, args.dry_run, args.sections)
+        return 0
+    state = out / "sections"
+    state.mkdir(parents=True, exist_ok=True)
+    for stale in state.iterdir():  # a previous run's results must not be read as this one's
+        stale.unlink()
+    started = time.time()
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if "tests" in args.sections:
+        began = time.time()
+        try:
+            entry = {"status": "ok", "result": run_tests(out, BUDGETS["tests"][int(args.dry_run)])}
+        except Exception as error:  # recorded; the other sections still run
+            entry = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+        entry["seconds"] = round(time.time() - began, 1)
+        (state / "tests.json").write_text(json.dumps(entry, indent=1))
+    supervise(out, args.dry_run, [s for s in WORKER_SECTIONS if s in args.sections], started)
+    from _gpu_report import write
+
+    report = {
+        "date": date,
+        "dry_run": args.dry_run,
+        "seconds": round(time.time() - started, 1),
+        "machine": machine(state),
+        "budgets_s": {s: BUDGETS[s][int(args.dry_run)] for s in args.sections},
+        "sections": {
+            s: json.loads((state / f"{s}.json").read_text())
+            for s in args.sections
+            if (state / f"{s}.json").exists()
+        },
+    }
+    write(report, out)
+    print(f"report written to {out / 'report.md'} and {out / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""benchmarks/gpu_suite.py on the CPU: its dry run end to end (every section, small sizes, the
+same code as on the GPU where there is one), its hard stop, and the measured-throughput API of
+the cost model it calibrates (`hardware_for(..., measured=Throughput(...))`).
+
+The dry run's figures are not held to the GPU targets: on the CPU the measured peak is the live
+tensor bytes, which kernel scratch memory is missing from. What is checked is that every
+section runs and reports what it must."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+from _dist import REPO
+
+from autoshard._plan import Throughput, hardware_for
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import _gpu_models  # noqa: E402
+import gpu_suite  # noqa: E402
+
+# About 40-60 s on 2 cores; the limit turns a hang into a failure.
+TIMEOUT_S = 400
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu_suite")
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=gpu_suite._env(),
+    )
+    logs = "\n".join(
+        (out / name).read_text()[-4000:]
+        for name in ("worker.log", "tests.log")
+        if (out / name).exists()
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr + logs
+    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def _section(report: dict, name: str) -> dict:
+    entry = report["sections"][name]
+    assert entry["status"] == "ok", f"{name}: {entry.get('error')}\n{entry.get('traceback')}"
+    return entry["result"]
+
+
+def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict, str]) -> None:
+    report, markdown = dry_run
+    assert report["dry_run"] is True
+    assert list(report["sections"]) == list(gpu_suite.ORDER)
+    for name in gpu_suite.ORDER:
+        _section(report, name)
+        assert f"## {name}: ok" in markdown
+
+
+def test_dry_run_collects_the_gpu_tests_and_they_skip_without_cuda(
+    dry_run: tuple[dict, str],
+) -> None:
+    tests = _section(dry_run[0], "tests")
+    assert tests["returncode"] == 0
+    assert tests["counts"]["failed"] == 0
+    assert tests["counts"]["skipped"] == len(tests["cases"]) > 0
+
+
+def test_dry_run_measures_every_configuration_against_its_estimate(
+    dry_run: tuple[dict, str],
+) -> None:
+    accuracy = _section(dry_run[0], "accuracy")
+    rows = accuracy["rows"]
+    assert [(r["model"], r["world_size"], r["strategy"]) for r in rows] == [
+        c[:3] for c in _gpu_models.DRY_CONFIGS
+    ]
+    for row in rows:
+        assert "failed" not in row, row
+        assert row["estimate_bytes"] > 0 and row["measured_bytes"] > 0
+        assert (
+            row["error"] == (row["estimate_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+        )
+        assert row["modelled_step_s"] > 0 and row["modelled_step_s_measured_throughput"] > 0
+    assert accuracy["summary"]["configurations"] == len(rows)
+
+
+def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
+    dry_run: tuple[dict, str],
+) -> None:
+    oom = _section(dry_run[0], "oom")
+    assert oom["attempts"][0]["checkpointed"] == 0
+    assert oom["attempts"][0]["outcome"].startswith("out of memory")
+    assert oom["attempts"][-1]["outcome"].startswith("fit")
+    assert oom["final_checkpointed"] > 0
+    assert all(math.isfinite(x) for x in oom["losses"])
+
+
+def test_dry_run_reports_each_runtime_feature_and_the_calibration(
+    dry_run: tuple[dict, str],
+) -> None:
+    compat = _section(dry_run[0], "compat")
+    # torch 2.13 (CI) has every feature autoshard checks for: a probe reporting one absent here
+    # is a broken probe
+    assert [f["feature"] for f in compat["features"] if not f["present"]] == []
+    calibration = _section(dry_run[0], "calibration")
+    for name, figure in calibration["figures"].items():
+        assert figure["measured"] > 0 and figure["constant"] > 0
+        # off by more than 20%: the cost model takes the measurement
+        used = figure["measured"] if abs(figure["off_by"]) > 0.20 else figure["constant"]
+        assert calibration["hardware"][name] == used
+
+
+def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "sections"
+    state.mkdir()
+    monkeypatch.setitem(gpu_suite.BUDGETS, "compat", (1, 1))
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    started = time.time()
+    left = gpu_suite._watch(worker, ["compat", "oom"], state, False, started)
+    assert left == ["oom"]
+    assert worker.poll() is not None  # killed
+    entry = json.loads((state / "compat.json").read_text())
+    assert entry["status"] == "timed out"
+    assert "stopped at its 1s budget" in entry["error"]
+    assert time.time() - started < 30
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model's measured figures
+
+
+def test_measured_throughput_replaces_the_constants_it_names_only() -> None:
+    constants = hardware_for("cuda", (9, 0), True)
+    measured = hardware_for(
+        "cuda", (9, 0), True, Throughput(flops_per_s=6.5e14, where="measured on an H200")
+    )
+    assert measured.flops_per_s == 6.5e14
+    assert measured.memory_bytes_per_s == constants.memory_bytes_per_s
+    assert measured.intra_node_bytes_per_s == constants.intra_node_bytes_per_s
+    assert measured.source == "flops measured on an H200; the rest constants"
+    both = hardware_for("cpu", None, False, Throughput(1e9, 3e9, where="measured here"))
+    assert (both.flops_per_s, both.memory_bytes_per_s) == (1e9, 3e9)
+    assert hardware_for("cpu", None, False, Throughput()) == hardware_for("cpu", None, False)
+
+
+def test_measured_throughput_refuses_what_is_not_a_positive_rate() -> None:
+    with pytest.raises(ValueError, match=r"Throughput.flops_per_s must be a finite positive"):
+        Throughput(flops_per_s=0.0)
+    with pytest.raises(ValueError, match=r"Throughput.memory_bytes_per_s .* got nan"):
+        Throughput(memory_bytes_per_s=float("nan"))
+    with pytest.raises(TypeError, match=r"Throughput.flops_per_s must be a number .* str '1e12'"):
+        Throughput(flops_per_s="1e12")  # type: ignore[arg-type]
