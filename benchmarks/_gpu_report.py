@@ -54,7 +54,7 @@ def tests_md(result: dict[str, Any]) -> list[str]:
     counts = result["counts"]
     lines = [
         f"`{result['command']}`: exit {result['returncode']}; {counts['passed']} passed, "
-        f"{counts['failed']} failed, {counts['skipped']} skipped",
+        f"{counts['failed']} failed, {counts['skipped']} skipped (pytest: {result.get('pytest')})",
         "",
         "| test | outcome | s | message |",
         "|---|---|---|---|",

@@ -28,6 +28,7 @@ the suite holds GPU memory.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -36,12 +37,15 @@ import subprocess
 import sys
 import time
 import traceback
+import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+# pytest and its dependencies as pure-Python wheels, for a GPU machine without pytest
+WHEELS = HERE / "wheels"
 # Seconds each section may run (GPU, dry run); their sum stays within TOTAL_BUDGET_S with room
 # for the worker's start-up (importing torch), which counts against the first section it runs.
 BUDGETS = {
@@ -64,33 +68,47 @@ def run_tests(out: Path, budget: float) -> dict[str, Any]:
     """`pytest -m gpu tests/test_gpu.py`, its outcome per test from its JUnit XML."""
     xml = out / "tests.xml"
     command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        "tests/test_gpu.py",
-        "-q",
-        "-rA",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={xml}",
-        "-o",
-        "junit_logging=all",
-    ]
-    completed = _run(command, budget, out / "tests.log")
+        sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rA",
+        "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_logging=all",
+    ]  # fmt: skip
+    extra, source = pytest_path(out)
+    completed = _run(command, budget, out / "tests.log", extra)
     from _gpu_report import junit_cases
 
     cases = junit_cases(xml) if xml.exists() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "skipped")}
     if completed is None:
         raise TimeoutError(f"pytest ran past its {budget:.0f}s budget and was stopped")
-    return {"returncode": completed, "counts": counts, "cases": cases, "command": " ".join(command)}
+    return {
+        "returncode": completed,
+        "counts": counts,
+        "cases": cases,
+        "command": " ".join(command),
+        "pytest": source,
+    }
 
 
-def _run(command: list[str], budget: float, log: Path) -> int | None:
+def pytest_path(out: Path) -> tuple[list[str], str]:
+    """Where pytest comes from: this Python's own, else the wheels that travel with the project
+    (`benchmarks/wheels`, pure Python), unpacked into DIR/_pytest and put on the path."""
+    if importlib.util.find_spec("pytest") is not None:
+        return [], "this Python's"
+    target = unpack_wheels(out / "_pytest")
+    return [str(target)], f"unpacked from {WHEELS.relative_to(REPO)} into {target}"
+
+
+def unpack_wheels(target: Path) -> Path:
+    """A pure-Python wheel is a zip of its packages and metadata: unpacked, it imports as
+    installed (entry points included), with no pip needed."""
+    for wheel in sorted(WHEELS.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(target)
+    return target
+
+
+def _run(command: list[str], budget: float, log: Path, extra: list[str]) -> int | None:
     """Run `command` in its own process group; None if it was killed at `budget` seconds."""
-    process = _start(command, log)
+    process = _start(command, log, extra)
     try:
         return process.wait(timeout=budget)
     except subprocess.TimeoutExpired:
@@ -98,22 +116,25 @@ def _run(command: list[str], budget: float, log: Path) -> int | None:
         return None
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen[Any]:
+def _start(
+    command: list[str], log: Path, extra: tuple[str, ...] | list[str] = ()
+) -> subprocess.Popen[Any]:
     """`command` in the repository, in a process group of its own, its output appended to `log`."""
     with log.open("a") as sink:
         return subprocess.Popen(
             command,
             cwd=REPO,
-            env=_env(),
+            env=_env(extra),
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
 
-def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), path) if p)}
+def _env(extra: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """This environment with the repository (and `extra`) first on PYTHONPATH."""
+    paths = [str(REPO), *extra, os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def _kill(process: subprocess.Popen[Any]) -> None:

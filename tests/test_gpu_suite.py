@@ -133,6 +133,24 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
     assert time.time() - started < 30
 
 
+def test_the_pytest_wheels_that_travel_with_the_suite_run_a_test_without_site_packages(
+    tmp_path,
+) -> None:
+    # the GPU machine may have no pytest: the suite then unpacks benchmarks/wheels
+    target = gpu_suite.unpack_wheels(tmp_path / "unpacked")
+    (tmp_path / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    completed = subprocess.run(
+        [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_one.py"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "1 passed" in completed.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # The cost model's measured figures
 
@@ -158,3 +176,104 @@ def test_measured_throughput_refuses_what_is_not_a_positive_rate() -> None:
         Throughput(memory_bytes_per_s=float("nan"))
     with pytest.raises(TypeError, match=r"Throughput.flops_per_s must be a number .* str '1e12'"):
         Throughput(flops_per_s="1e12")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trial's CUDA bookkeeping, on a stand-in for torch.cuda (the real one runs in test_gpu.py)
+
+
+class FakeCuda:
+    """The allocator counters `caller_peak_kept` and `_memory_cap` read and set."""
+
+    def __init__(self, allocated: int, peak: int, reserved: int, fraction: float = 1.0) -> None:
+        self.allocated, self.peak, self.reserved, self.fraction = (
+            allocated,
+            peak,
+            reserved,
+            fraction,
+        )
+        self.calls: list[str] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: self.calls.append("empty_cache"))
+        monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d=None: self.fraction)
+        monkeypatch.setattr(cuda, "set_per_process_memory_fraction", self.set_fraction)
+        monkeypatch.setattr(
+            cuda,
+            "get_device_properties",
+            lambda device=None: type("Props", (), {"total_memory": 100 * 2**30})(),
+        )
+        real_empty = torch.empty
+
+        def empty(*size, dtype=None, device=None):  # type: ignore[no-untyped-def]
+            if getattr(device, "type", device) != "cuda":
+                return real_empty(*size, dtype=dtype, device=device)
+            self.calls.append(f"allocate {size[0]}")
+            self.peak = max(self.peak, self.allocated + size[0])
+            self.reserved += size[0]  # a new segment
+            return real_empty(0)
+
+        monkeypatch.setattr(torch, "empty", empty)
+
+    def set_fraction(self, fraction: float, device=None) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(f"fraction {fraction:.4g}")
+        self.fraction = fraction
+
+
+def test_caller_peak_kept_allocates_up_to_the_callers_peak_rounded_to_512_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from autoshard._meter import caller_peak_kept
+
+    cuda = FakeCuda(allocated=1000, peak=10_000, reserved=2048)
+    cuda.install(monkeypatch)
+    with caller_peak_kept(torch.device("cuda", 0)):
+        cuda.peak = 3000  # the body reset the statistics and peaked lower
+    # 10,000 - 1,000 = 9,000 bytes missing, rounded up to 9,216; the new segment is given back
+    assert cuda.calls == ["allocate 9216", "empty_cache"]
+    assert cuda.peak >= 10_000
+
+
+def test_caller_peak_kept_does_nothing_when_the_body_peaked_higher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from autoshard._meter import caller_peak_kept
+
+    cuda = FakeCuda(allocated=1000, peak=10_000, reserved=2048)
+    cuda.install(monkeypatch)
+    with caller_peak_kept(torch.device("cuda", 0)):
+        cuda.peak = 20_000
+    assert cuda.calls == []
+    with caller_peak_kept(torch.device("cpu")):  # nothing to keep on the CPU
+        pass
+    assert cuda.calls == []
+
+
+def test_the_memory_cap_empties_the_cache_first_and_puts_the_callers_fraction_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    import torch
+
+    from autoshard._trial import _memory_cap
+
+    cuda = FakeCuda(allocated=0, peak=0, reserved=0, fraction=0.9)
+    cuda.install(monkeypatch)
+    wrapping = types.SimpleNamespace(world=types.SimpleNamespace(device=torch.device("cuda", 0)))
+    with _memory_cap(wrapping, 25 * 2**30):  # type: ignore[arg-type]
+        assert cuda.fraction == 0.25
+    # cached blocks are reused beyond the cap: released before it is set
+    assert cuda.calls == ["empty_cache", "fraction 0.25", "fraction 0.9"]
+    with _memory_cap(wrapping, 95 * 2**30):  # type: ignore[arg-type]
+        assert cuda.fraction == 0.9  # the caller's own cap is the lower one
