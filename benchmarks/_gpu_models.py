@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -84,8 +85,21 @@ def configs(dry_run: bool) -> list[tuple[str, int, str, bool]]:
 
 
 def build(name: str, models: dict[str, Any], device: torch.device) -> Any:
-    """Model `name` from `models`, its AdamW, batch and loss (`zoo.build`)."""
+    """Model `name` from `models` on `device`, a fresh AdamW over it, its batch and loss.
+
+    Built once per process on the host (`zoo.build`; initialising a 1B model there takes
+    seconds) and copied for each configuration, which wraps and trains its own copy."""
     import zoo
 
-    kind, batch, sizes = models[name]
-    return zoo.build(kind, batch, device=device, **sizes)
+    key = (name, repr(models[name]))
+    if key not in _MASTERS:
+        kind, batch, sizes = models[name]
+        _MASTERS[key] = zoo.build(kind, batch, device=torch.device("cpu"), **sizes)
+    master = _MASTERS[key]
+    model = copy.deepcopy(master.model).to(device)  # tied parameters stay tied
+    optimizer = zoo._adamw(model)  # as every zoo builder makes it
+    batch = tuple(t.to(device) for t in master.batch)
+    return zoo.ZooModel(model, optimizer, batch, master.loss_fn)
+
+
+_MASTERS: dict[tuple[str, str], Any] = {}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-GiB = 2**30
+from autoshard._units import human
 
 
 def junit_cases(path: Path) -> list[dict[str, Any]]:
@@ -34,8 +34,8 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
     return cases
 
 
-def _gib(value: Any) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
+def _bytes(value: Any) -> str:
+    return "-" if value is None else human(value)
 
 
 def _pct(value: Any) -> str:
@@ -98,8 +98,8 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
         f"out), measured = allocator peak over the measured steps; error = (estimate - "
         f"measured) / measured",
         "",
-        "| model | world | strategy | AC | params | estimate GiB | measured GiB | error | "
-        "reserved GiB | usable GiB | step (measured) | modelled (constants) | "
+        "| model | world | strategy | AC | params | estimate | measured | error | "
+        "reserved | usable | step (measured) | modelled (constants) | "
         "modelled (measured throughput) |",
         "|" + "---|" * 13,
     ]
@@ -110,9 +110,9 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"{lead} {r['checkpointed']}/{r['num_blocks']} | {_count(r['params'])} | "
-            f"{_gib(r['estimate_bytes'])} | {_gib(r['measured_bytes'])} | {_pct(r['error'])} | "
-            f"{_gib(r['reserved_bytes'])} | {_gib(r['usable_bytes'])} | {_seconds(r['step_s'])} "
-            f"| {_seconds(r['modelled_step_s'])} | "
+            f"{_bytes(r['estimate_bytes'])} | {_bytes(r['measured_bytes'])} | "
+            f"{_pct(r['error'])} | {_bytes(r['reserved_bytes'])} | {_bytes(r['usable_bytes'])} | "
+            f"{_seconds(r['step_s'])} | {_seconds(r['modelled_step_s'])} | "
             f"{_seconds(r['modelled_step_s_measured_throughput'])} |"
         )
     for skipped in result.get("skipped", []):
@@ -135,7 +135,7 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
 
 def oom_md(result: dict[str, Any]) -> list[str]:
     lines = [
-        f"memory_limit {_gib(result['limit_bytes'])} GiB",
+        f"memory_limit {_bytes(result['limit_bytes'])}",
         "",
         "| attempt | outcome |",
         "|---|---|",
@@ -150,9 +150,40 @@ def oom_md(result: dict[str, Any]) -> list[str]:
         lines += [
             f"- caller's memory fraction {before['fraction']} before, {after['fraction']} after "
             f"(restored: {result['fraction_restored']})",
-            f"- caller's max_memory_allocated {_gib(before['peak_allocated'])} GiB before, "
-            f"{_gib(after['peak_allocated'])} GiB after (kept: {result['peak_restored']})",
+            f"- caller's max_memory_allocated {_bytes(before['peak_allocated'])} before, "
+            f"{_bytes(after['peak_allocated'])} after (kept: {result['peak_restored']})",
         ]
+    return lines
+
+
+def summary_lines(sections: dict[str, Any]) -> list[str]:
+    """One line per section: what it found, in a word."""
+    lines = []
+    for name, entry in sections.items():
+        result = entry.get("result") or {}
+        if entry["status"] != "ok":
+            lines.append(f"- {name}: {entry['status']}")
+        elif name == "tests":
+            c = result["counts"]
+            lines.append(
+                f"- tests: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+            )
+        elif name == "compat":
+            absent = ", ".join(result["absent"]) or "none"
+            lines.append(f"- compat: absent: {absent}")
+        elif name == "calibration":
+            taken = [k for k, v in result["throughput"].items() if k != "where" and v is not None]
+            lines.append(f"- calibration: taken from the measurement: {', '.join(taken) or 'none'}")
+        elif name == "accuracy":
+            met = result.get("summary", {}).get("met")
+            lines.append(f"- accuracy: targets {'met' if met else 'NOT met'}")
+        elif name == "oom":
+            fell_back = result["attempts"][0]["outcome"].startswith("out of memory")
+            lines.append(
+                f"- oom: first rung ran out of memory: {fell_back}; trained after: "
+                f"{result['attempts'][-1]['outcome']}; fraction restored: "
+                f"{result['fraction_restored']}; peak kept: {result['peak_restored']}"
+            )
     return lines
 
 
@@ -178,8 +209,11 @@ def write(report: dict[str, Any], out: Path) -> None:
         "",
         f"{report['date']}; {report['seconds']:.0f} s; torch {m.get('torch')}, CUDA "
         f"{m.get('cuda')}, GPU {m.get('gpu')} (capability {m.get('capability')}, "
-        f"{_gib(m.get('gpu_memory_bytes'))} GiB); {m.get('cpu_count')} CPUs",
+        f"{_bytes(m.get('gpu_memory_bytes'))}); {m.get('cpu_count')} CPUs",
     ]
+    lines += ["", "## Summary", "", *summary_lines(report["sections"])]
+    if report["dry_run"]:
+        lines.append("- (dry run: CPU figures of tiny models, not held to the GPU targets)")
     for name, entry in report["sections"].items():
         budget = report["budgets_s"].get(name)
         lines += [
