@@ -136,7 +136,8 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
         _attr(_fsdp_module, "set_reshard_after_forward"),
     ),
     (
-        "FSDP2 pluggable comms (param group _all_gather_comm/_reduce_scatter_comm)",
+        "FSDP2 pluggable comms: param groups (state._fsdp_param_groups, older _fsdp_param_group) "
+        "with _all_gather_comm/_reduce_scatter_comm",
         "_agree.fsdp_sync_points: OOM agreement at every collective",
         "ranks agree only before the optimizer step and after the trial (the plan notes it)",
         _pluggable_comms,
@@ -186,7 +187,50 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
         "tracing an MoE model fails: estimates analytic for it",
         _attr(lambda: torch, "_grouped_mm"),
     ),
+    (
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "_trace, _simulate: the example batch traced without real memory",
+        "none: the trace fails, activations are not estimated (the trial step measures them)",
+        _import("torch._subclasses.fake_tensor:FakeTensorMode"),
+    ),
+    (
+        "torch.utils.flop_counter.FlopCounterMode",
+        "_trace: forward FLOPs for the cost model",
+        "none: the trace fails",
+        _import("torch.utils.flop_counter:FlopCounterMode"),
+    ),
+    (
+        "DeviceMesh.from_group(mesh_dim_names=...), new_group(use_local_synchronization=...)",
+        "_fake.fake_mesh inside a job (plan() or prepare() under torchrun)",
+        "estimates are analytic inside a job",
+        lambda: (
+            "mesh_dim_names" in _parameters("torch.distributed.device_mesh:DeviceMesh.from_group")
+            and "use_local_synchronization" in _parameters("torch.distributed:new_group")
+        ),
+    ),
+    (
+        "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+        "_apply.grad_scaler: fp16 under FSDP2",
+        "none: fp16 with a sharded strategy fails",
+        _import("torch.distributed.fsdp.sharded_grad_scaler:ShardedGradScaler"),
+    ),
+    (
+        "torch.distributed.checkpoint.state_dict.get_state_dict",
+        "_checkpoint, _dcp: autoshard.save/load",
+        "none: checkpoints fail",
+        _import("torch.distributed.checkpoint.state_dict:get_state_dict"),
+    ),
 ]
+
+
+def _parameters(path: str) -> set[str]:
+    import inspect
+
+    module, _, name = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return set(inspect.signature(target).parameters)
 
 
 def compat() -> dict[str, Any]:

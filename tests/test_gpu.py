@@ -14,6 +14,7 @@ or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 
@@ -134,7 +135,8 @@ def test_a_real_oom_under_memory_limit_falls_back_and_gives_the_caller_its_state
     assert attempts[-1]["outcome"].startswith("fit"), result
     assert result["final_checkpointed"] > 0, result
     assert all(torch.isfinite(torch.tensor(result["losses"]))), result
-    assert result["caller_after"]["fraction"] == checks.CALLER_FRACTION, result
+    # the allocator keeps the cap in whole bytes: read back, a fraction may differ in the 12th digit
+    assert math.isclose(result["caller_after"]["fraction"], checks.CALLER_FRACTION, rel_tol=1e-9)
     assert result["caller_after"]["peak_allocated"] >= result["caller_before"]["peak_allocated"]
 
 
@@ -147,7 +149,7 @@ def test_prepare_without_a_limit_leaves_the_caller_s_fraction_and_peak() -> None
         after = checks.caller_state(device)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    assert after["fraction"] == before["fraction"]
+    assert math.isclose(after["fraction"], before["fraction"], rel_tol=1e-9)
     assert after["peak_allocated"] >= before["peak_allocated"]
 
 
