@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,22 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
                 "output": (output.text or "")[-3000:] if output is not None else "",
             }
         )
+    return cases
+
+
+def log_cases(path: Path) -> list[dict[str, Any]]:
+    """Outcomes from pytest's verbose log (`tests/x.py::test_y PASSED`), for a run stopped before
+    it wrote its XML."""
+    cases = []
+    if not path.exists():
+        return cases
+    for line in path.read_text(errors="replace").splitlines():
+        match = re.match(r"^\S+::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", line)
+        if match:
+            outcome = {"PASSED": "passed", "SKIPPED": "skipped"}.get(match[2], "failed")
+            cases.append(
+                {"name": match[1], "outcome": outcome, "seconds": 0.0, "message": "", "output": ""}
+            )
     return cases
 
 
@@ -161,13 +178,14 @@ def summary_lines(sections: dict[str, Any]) -> list[str]:
     lines = []
     for name, entry in sections.items():
         result = entry.get("result") or {}
-        if entry["status"] != "ok":
-            lines.append(f"- {name}: {entry['status']}")
-        elif name == "tests":
+        if name == "tests" and result:
             c = result["counts"]
             lines.append(
-                f"- tests: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+                f"- tests ({entry['status']}): {c['passed']} passed, {c['failed']} failed, "
+                f"{c['skipped']} skipped"
             )
+        elif entry["status"] != "ok":
+            lines.append(f"- {name}: {entry['status']}")
         elif name == "compat":
             absent = ", ".join(result["absent"]) or "none"
             lines.append(f"- compat: absent: {absent}")

@@ -133,6 +133,23 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
     assert time.time() - started < 30
 
 
+def test_a_pytest_run_stopped_before_its_xml_is_read_from_its_verbose_log(tmp_path) -> None:
+    import _gpu_report
+
+    log = tmp_path / "tests.log"
+    log.write_text(
+        "tests/test_gpu.py::test_a[1-local] PASSED    [ 10%]\n"
+        "tests/test_gpu.py::test_b FAILED             [ 20%]\n"
+        "noise\ntests/test_gpu.py::test_c SKIPPED (needs CUDA) [ 30%]\n"
+    )
+    cases = _gpu_report.log_cases(log)
+    assert [(c["name"], c["outcome"]) for c in cases] == [
+        ("test_a[1-local]", "passed"),
+        ("test_b", "failed"),
+        ("test_c", "skipped"),
+    ]
+
+
 def test_the_pytest_wheels_that_travel_with_the_suite_run_a_test_without_site_packages(
     tmp_path,
 ) -> None:
