@@ -161,7 +161,7 @@ def measure(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     meter = Meter(device)
-    options = dict(
+    options: dict[str, Any] = dict(
         strategy=strategy,
         mixed_precision=mixed_precision,
         activation_checkpointing=checkpoint_all,

@@ -57,7 +57,8 @@ def _pluggable_comms() -> bool:
         raise RuntimeError("a process group exists already")
     dist.init_process_group("fake", rank=0, world_size=1, store=fake_pg.FakeStore())
     try:
-        module = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        module: nn.Module = nn.Linear(4, 4)
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
         groups = [
             g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m)
         ]

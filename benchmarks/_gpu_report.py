@@ -38,7 +38,7 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
 def log_cases(path: Path) -> list[dict[str, Any]]:
     """Outcomes from pytest's verbose log (`tests/x.py::test_y PASSED`), for a run stopped before
     it wrote its XML."""
-    cases = []
+    cases: list[dict[str, Any]] = []
     if not path.exists():
         return cases
     for line in path.read_text(errors="replace").splitlines():
