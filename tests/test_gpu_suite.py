@@ -4,7 +4,7 @@ the cost model it calibrates (`hardware_for(..., measured=Throughput(...))`).
 
 The dry run's figures are not held to the GPU targets: on the CPU the measured peak is the live
 tensor bytes, which kernel scratch memory is missing from. What is checked is that every
-section runs and reports what it must."""
+section runs and reports what it must. The dry run is marked slow: CI runs it (`--full`)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def _section(report: dict, name: str) -> dict:
     return entry["result"]
 
 
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
 def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict, str]) -> None:
     report, markdown = dry_run
     assert report["dry_run"] is True
@@ -61,6 +62,7 @@ def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict,
         assert f"## {name}: ok" in markdown
 
 
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
 def test_dry_run_collects_the_gpu_tests_and_they_skip_without_cuda(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -70,6 +72,7 @@ def test_dry_run_collects_the_gpu_tests_and_they_skip_without_cuda(
     assert tests["counts"]["skipped"] == len(tests["cases"]) > 0
 
 
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
 def test_dry_run_measures_every_configuration_against_its_estimate(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -88,6 +91,7 @@ def test_dry_run_measures_every_configuration_against_its_estimate(
     assert accuracy["summary"]["configurations"] == len(rows)
 
 
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
 def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -99,6 +103,7 @@ def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
     assert all(math.isfinite(x) for x in oom["losses"])
 
 
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
 def test_dry_run_reports_each_runtime_feature_and_the_calibration(
     dry_run: tuple[dict, str],
 ) -> None:
