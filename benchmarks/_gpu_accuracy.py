@@ -167,38 +167,9 @@ def measure(
         activation_checkpointing=checkpoint_all,
     )
     started = time.perf_counter()
-    if world == 1:
-        built = build(name, models, device)
-        with captured_inputs() as seen:
-            prepared = autoshard.prepare(
-                built.model,
-                built.optimizer,
-                built.batch,
-                loss_fn=built.loss_fn,
-                trial_step=False,
-                **options,
-            )
-        model, plan, batch = prepared.model, prepared.plan, built.batch
-        times = run_steps(model, built.optimizer, batch, built.loss_fn, meter, device)
-    else:
-        # on the host: each FSDP2 unit moves only its own shard to the device
-        built = build(name, models, torch.device("cpu"))
-        with captured_inputs() as seen:
-            plan = autoshard.plan(
-                built.model,
-                built.optimizer,
-                built.batch,
-                loss_fn=built.loss_fn,
-                world_size=world,
-                device=device.type,
-                **options,
-            )
-        with fake_group(world):
-            model = wrap_at(built, plan, world, device)
-            batch = tuple(t.to(device) for t in built.batch)
-            times = run_steps(model, built.optimizer, batch, built.loss_fn, meter, device)
-            del model, batch
-    row = figures(plan, meter, times, seen[-1], throughput)
+    at = in_group if world == 1 else at_fake_world
+    built, plan, times, inputs = at(name, world, models, device, meter, options)
+    row = figures(plan, meter, times, inputs, throughput)
     row.update(
         model=name,
         world_size=world,
@@ -210,6 +181,59 @@ def measure(
         seconds=round(time.perf_counter() - started, 2),
     )
     return row
+
+
+def in_group(
+    name: str,
+    world: int,
+    models: dict[str, Any],
+    device: torch.device,
+    meter: Meter,
+    options: dict[str, Any],
+) -> tuple[Any, autoshard.Plan, list[float], PlanInputs]:
+    """World 1: `prepare` in the current process group, then the steps."""
+    built = build(name, models, device)
+    with captured_inputs() as seen:
+        prepared = autoshard.prepare(
+            built.model,
+            built.optimizer,
+            built.batch,
+            loss_fn=built.loss_fn,
+            trial_step=False,
+            **options,
+        )
+    times = run_steps(prepared.model, built.optimizer, built.batch, built.loss_fn, meter, device)
+    return built, prepared.plan, times, seen[-1]
+
+
+def at_fake_world(
+    name: str,
+    world: int,
+    models: dict[str, Any],
+    device: torch.device,
+    meter: Meter,
+    options: dict[str, Any],
+) -> tuple[Any, autoshard.Plan, list[float], PlanInputs]:
+    """World `world` on one device: the what-if plan first (no group may exist for it), then
+    the model wrapped and stepped over a fake group of `world` ranks."""
+    # on the host: each FSDP2 unit moves only its own shard to the device
+    built = build(name, models, torch.device("cpu"))
+    with captured_inputs() as seen:
+        plan = autoshard.plan(
+            built.model,
+            built.optimizer,
+            built.batch,
+            loss_fn=built.loss_fn,
+            world_size=world,
+            device=device.type,
+            **options,
+        )
+    with fake_group(world):
+        model = wrap_at(built, plan, world, device)
+        batch = tuple(t.to(device) for t in built.batch)
+        times = run_steps(model, built.optimizer, batch, built.loss_fn, meter, device)
+        del model, batch
+    return built, plan, times, seen[-1]
 
 
 def wrap_at(built: Any, plan: autoshard.Plan, world: int, device: torch.device) -> Any:
