@@ -145,3 +145,29 @@ def _raise_allocated_peak(device: torch.device, peak: int) -> None:
     del block
     if torch.cuda.memory_reserved(device) > reserved:
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, limit: int | None, held: int) -> Iterator[None]:
+    """Enforce memory_limit for real on CUDA, so that an over-budget rung really runs out of
+    memory; the caller's own fraction is put back afterwards.
+
+    The limit is the training's (the plan fits it as it fits free memory, which the process's
+    other tensors are already missing from), while the allocator's cap counts the whole process:
+    the cap is the limit plus what is allocated beyond the training's `held` bytes."""
+    if device.type != "cuda" or limit is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = getter(device) if getter is not None else 1.0  # the caller's own cap, if any
+    # The cap is checked only when the allocator reserves a new segment: blocks already cached
+    # (a caller's freed tensors) would be reused beyond it. Release them first.
+    torch.cuda.empty_cache()
+    unrelated = max(0, torch.cuda.memory_allocated(device) - held)
+    cap = min(previous, (limit + unrelated) / total, 1.0)
+    torch.cuda.set_per_process_memory_fraction(cap, device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)

@@ -29,7 +29,7 @@ from autoshard._agree import (
 from autoshard._apply import Wrapping, apply, ddp, sync_from_rank0
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
-from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors
+from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
 from autoshard._plan import Attempt, Candidate
 from autoshard._snapshot import restore, take_snapshot
 from autoshard._strategy import Strategy
@@ -132,26 +132,6 @@ def _peak_meter(
         box[0] = meter.peak
 
 
-@contextlib.contextmanager
-def _memory_cap(wrapping: Wrapping, limit: int | None) -> Iterator[None]:
-    """Enforce memory_limit for real on CUDA, so an over-budget rung really runs out of memory."""
-    device = wrapping.world.device
-    if device.type != "cuda" or limit is None:
-        yield
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    previous = getter(device) if getter is not None else 1.0  # the caller's own cap, if any
-    # The cap is checked only when the allocator reserves a new segment: blocks already cached
-    # (a caller's freed tensors) would be reused beyond it. Release them first.
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(previous, limit / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(previous, device)
-
-
 def attempt(
     wrapping: Wrapping,
     optimizer: torch.optim.Optimizer,
@@ -172,7 +152,9 @@ def attempt(
     # The caller's peak statistics are given back after the cap is lifted (the block restoring
     # them may be larger than the cap).
     peak_kept = caller_peak_kept(wrapping.world.device)
-    with peak_kept, _sync_points(wrapping, agreement), _memory_cap(wrapping, limit):
+    held = held_bytes(wrapping.module, optimizer, wrapping.world.device)
+    cap = memory_cap(wrapping.world.device, limit, held)
+    with peak_kept, _sync_points(wrapping, agreement), cap:
         with _peak_meter(wrapping, optimizer, box) as between_steps:
             try:
                 for index in range(steps):

@@ -145,7 +145,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "torch.cuda.get_per_process_memory_fraction",
-        "_trial._memory_cap: the caller's memory fraction put back",
+        "_meter.memory_cap: the caller's memory fraction put back",
         "the fraction is reset to 1.0 after the trial (a caller's own cap is lost)",
         _attr(lambda: torch.cuda, "get_per_process_memory_fraction"),
     ),

@@ -205,7 +205,7 @@ def test_measured_throughput_refuses_what_is_not_a_positive_rate() -> None:
 
 
 class FakeCuda:
-    """The allocator counters `caller_peak_kept` and `_memory_cap` read and set."""
+    """The allocator counters `caller_peak_kept` and `memory_cap` read and set."""
 
     def __init__(self, allocated: int, peak: int, reserved: int, fraction: float = 1.0) -> None:
         self.allocated, self.peak, self.reserved, self.fraction = (
@@ -284,18 +284,21 @@ def test_caller_peak_kept_does_nothing_when_the_body_peaked_higher(
 def test_the_memory_cap_empties_the_cache_first_and_puts_the_callers_fraction_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import types
-
     import torch
 
-    from autoshard._trial import _memory_cap
+    from autoshard._meter import memory_cap
 
     cuda = FakeCuda(allocated=0, peak=0, reserved=0, fraction=0.9)
     cuda.install(monkeypatch)
-    wrapping = types.SimpleNamespace(world=types.SimpleNamespace(device=torch.device("cuda", 0)))
-    with _memory_cap(wrapping, 25 * 2**30):  # type: ignore[arg-type]
+    device = torch.device("cuda", 0)
+    with memory_cap(device, 25 * 2**30, held=0):
         assert cuda.fraction == 0.25
     # cached blocks are reused beyond the cap: released before it is set
     assert cuda.calls == ["empty_cache", "fraction 0.25", "fraction 0.9"]
-    with _memory_cap(wrapping, 95 * 2**30):  # type: ignore[arg-type]
+    with memory_cap(device, 95 * 2**30, held=0):
         assert cuda.fraction == 0.9  # the caller's own cap is the lower one
+    # 5 GiB of the caller's other tensors on the device: the cap counts the whole process, the
+    # limit only the training, which the plan fitted to it beside them
+    cuda.allocated = 7 * 2**30
+    with memory_cap(device, 25 * 2**30, held=2 * 2**30):
+        assert cuda.fraction == 0.30
