@@ -138,6 +138,22 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
     assert time.time() - started < 30
 
 
+def test_a_worker_that_dies_in_a_section_is_recorded_and_the_next_section_still_runs(
+    tmp_path,
+) -> None:
+    state = tmp_path / "sections"
+    state.mkdir()
+    (state / "compat.json").write_text(json.dumps({"status": "ok", "result": {}}))
+    worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    worker.wait()
+    left = gpu_suite._watch(worker, ["compat", "calibration", "oom"], state, True, time.time())
+    assert left == ["oom"]
+    entry = json.loads((state / "calibration.json").read_text())
+    assert entry["status"] == "crashed"
+    assert "the worker exited with 3 during this section" in entry["error"]
+    assert json.loads((state / "compat.json").read_text())["status"] == "ok"  # kept as written
+
+
 def test_a_pytest_run_stopped_before_its_xml_is_read_from_its_verbose_log(tmp_path) -> None:
     import _gpu_report
 
