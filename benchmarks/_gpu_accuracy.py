@@ -57,6 +57,9 @@ class Meter:
         self.cuda = device.type == "cuda"
         self.allocated_before = torch.cuda.memory_allocated(device) if self.cuda else 0
         self.reserved_before = torch.cuda.memory_reserved(device) if self.cuda else 0
+        # bytes the tensors asked for, before the allocator's rounding (diagnostics for the row)
+        self.requested_before = self._stat("requested_bytes.all.current")
+        self.diagnostics: dict[str, int] = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(device)  # from here on: the whole configuration
         self.peak: int | None = None
@@ -71,11 +74,20 @@ class Meter:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.allocated_before
             self._reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(self.device))
+            self.diagnostics = {
+                "requested_peak_bytes": self._stat("requested_bytes.all.peak")
+                - self.requested_before,
+                "alloc_retries": self._stat("num_alloc_retries"),
+                "ooms": self._stat("num_ooms"),
+            }
             return
         live = LiveBytes([*held_tensors(model, optimizer), *batch])
         with live:
             yield
         self.peak = live.peak
+
+    def _stat(self, key: str) -> int:
+        return int(torch.cuda.memory_stats(self.device).get(key, 0)) if self.cuda else 0
 
     def reserved(self) -> int | None:
         """Reserved at most over the configuration, less what was reserved before it."""
@@ -294,6 +306,7 @@ def figures(
         "modelled_step_s": candidate.step_seconds,
         "modelled_step_s_measured_throughput": modelled_measured,
         "footprint": {k: int(v) for k, v in vars(candidate.footprint).items()},
+        "allocator": meter.diagnostics,  # CUDA: peak requested bytes, retries, OOMs
         # simulated or analytic, and at how many ranks (the plan's reason)
         "estimated_by": next((r for r in plan.reasons if r.startswith("estimates")), "")[:400],
     }
