@@ -5,6 +5,7 @@ checkpointing from the memory every GPU really has free, and proves the choice w
 """
 
 from autoshard._accelerate import accelerate_kwargs
+from autoshard._agree import PeerError, PeerTimeout, set_agreement_timeout
 from autoshard._checkpoint import load, save
 from autoshard._data import shard_dataloader
 from autoshard._fit import DoesNotFit
@@ -16,6 +17,8 @@ __all__ = [
     "Attempt",
     "Candidate",
     "DoesNotFit",
+    "PeerError",
+    "PeerTimeout",
     "Plan",
     "Prepared",
     "Strategy",
@@ -24,6 +27,7 @@ __all__ = [
     "plan",
     "prepare",
     "save",
+    "set_agreement_timeout",
     "shard_dataloader",
 ]
 __version__ = "0.1.0"

@@ -41,6 +41,12 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
                 f"loss_fn(output, batch) must return a scalar tensor, got shape "
                 f"{tuple(loss.shape)}; reduce it (e.g. .mean())"
             )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn(output, batch) returned a loss that does not require grad (detached, "
+                "built from .item()/.detach() or under torch.no_grad()), so backward cannot "
+                "train the model; compute it from the model's output with autograd on"
+            )
         return loss
     loss = getattr(output, "loss", None)  # Hugging Face ModelOutput
     if loss is None and isinstance(output, Mapping):

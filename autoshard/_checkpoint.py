@@ -1,37 +1,52 @@
-"""save() and load(): checkpoints that move between strategies and world sizes.
+"""save() and load(): checkpoints that move between strategies and world sizes, and cannot lie.
 
 Built on torch.distributed.checkpoint (DCP, see _dcp.py), which reshards on load: a checkpoint
 written by FULL_SHARD on 8 ranks loads into DDP on 2 or into one plain process. This module checks
-the arguments (agreeing across ranks, so that none is left waiting in a collective) and makes the
-write atomic.
+the arguments, agreeing across ranks (`_agree`: whatever fails on one rank raises on every rank,
+none waits), and `_layout` makes the write atomic and checksummed:
 
-A save is atomic. Every rank writes into a hidden sibling directory `.<name>.autoshard-partial`;
-once DCP has finished (its `.metadata` is written last, by the coordinator, after every rank's
-data), rank 0 writes the marker file `autoshard.json` and renames the directory into place. An
-existing checkpoint at the path is first renamed aside to `.<name>.autoshard-old` and deleted only
-after the new one is in place. `load` refuses a directory without the marker, so an interrupted
-save never loads as complete; the next `save` to the same path clears what it left behind.
+- `save` writes into a hidden sibling directory and publishes it with renames, so `load(path)`
+  reads the old checkpoint or the new one, whole, whenever the save is killed; a failed save
+  removes what it wrote (and says "no space left on device at <path>" when that was the cause);
+  nothing autoshard did not write is deleted (a user's files inside a checkpoint are carried
+  into the new one; a directory that is not an autoshard checkpoint is refused).
+- `load` verifies every file against the sha256 the save recorded before anything is changed,
+  checks that every rank reads the same checkpoint, and puts the model and optimizer back as
+  they were if reading fails part way.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from autoshard._dcp import Saved, dcp_errors, read, write
+from autoshard._agree import PeerTimeout, agree, agree_here
+from autoshard._dcp import Saved, dcp_errors, disk_full, read, write
+from autoshard._layout import (
+    DCP_METADATA,
+    MARKER,
+    carry_user_files,
+    clear_leftovers,
+    locate,
+    new_marker,
+    owned_by_autoshard,
+    publish,
+    read_marker,
+    remove_partial,
+    sha256_of,
+    share,
+    siblings,
+    verify,
+)
 from autoshard._optim import unowned_parameters
+from autoshard._snapshot import restore, take_snapshot
 from autoshard._world import World, resolve
-
-MARKER = "autoshard.json"
-_DCP_METADATA = ".metadata"
-FORMAT = 1
 
 
 def save(
@@ -45,8 +60,9 @@ def save(
 
     Args:
         path: the checkpoint directory, on a filesystem every rank sees. Missing parent
-            directories are created. An existing checkpoint there is replaced atomically; any
-            other existing file or non-empty directory is refused.
+            directories are created. An existing checkpoint there is replaced atomically (files
+            you added inside it are kept); a symbolic link there is replaced, not what it points
+            to; any other existing file or non-empty directory is refused.
         model: the module as `prepare` returned it (DistributedDataParallel, an FSDP2 module or a
             plain module).
         optimizer: the optimizer to save with it, or None for the model only. An optimizer that
@@ -57,33 +73,65 @@ def save(
 
     Raises:
         TypeError, ValueError: bad arguments (on every rank, before anything is written).
-        RuntimeError: writing failed on some rank (on every rank; a checkpoint already at `path`
-            is unchanged).
+        OSError: no space left on device at `path` (errno ENOSPC), on every rank.
+        RuntimeError: writing failed on some rank (on every rank). Whatever failed, a
+            checkpoint already at `path` is unchanged and the partial one is removed.
     """
     world = resolve(init=True)
-    target: Path | None = None
-    error: Exception | None = None
-    try:
+
+    def check_here() -> Path:
         target = _check_path(path)
         _check_save_target(target)
         _check_model_and_optimizer(model, optimizer)
-    except (TypeError, ValueError) as caught:
-        error = caught
-    _raise_everywhere(world, error)
-    assert target is not None  # else _raise_everywhere raised
-    partial, old = _siblings(target)
-    _on_rank0(world, lambda: _clear_leftovers(target, partial, old))
-    with dcp_errors(f"save to {str(target)!r}", "a checkpoint already there is unchanged"):
-        write(partial, model, optimizer, world)
-    marker = {
-        "format": FORMAT,
+        return target
+
+    target = agree_here(world, "save()", check_here)
+    partial, old = siblings(target)
+    _on_rank0(world, lambda: clear_leftovers(target, partial, old))
+    info = {
         "torch": torch.__version__,
         "world_size": world.world_size,
         "model": type(model).__name__,
         "optimizer": None if optimizer is None else type(optimizer).__name__,
     }
-    _on_rank0(world, lambda: _publish(partial, target, old, marker))
+    try:
+        with dcp_errors(f"save to {str(target)!r}", "a checkpoint already there is unchanged"):
+            write(partial, model, optimizer, world)
+        files = _checksums(partial, world)
+        _on_rank0(world, lambda: _finish(partial, target, old, new_marker(files, info)))
+    except BaseException as error:
+        # Every rank is past writing (DCP and the agreements end together); with a peer gone,
+        # rank 0 removes it without waiting for the others.
+        with contextlib.suppress(Exception):
+            if isinstance(error, PeerTimeout):
+                if world.rank == 0:
+                    remove_partial(partial)
+            else:
+                _on_rank0(world, lambda: remove_partial(partial))
+        full = disk_full(error, target)
+        if full is not None:
+            raise full from error
+        raise
     return target
+
+
+def _checksums(partial: Path, world: World) -> dict[str, str]:
+    """Every written file's sha256, each rank hashing a share of them."""
+
+    def hash_share() -> dict[str, str]:
+        names = [p.name for p in partial.iterdir() if p.is_file()]
+        mine = share(names, world.rank, world.world_size)
+        return {name: sha256_of(partial / name) for name in mine}
+
+    files: dict[str, str] = {}
+    for part in agree(world, "save()", hash_share):
+        files.update(part)
+    return files
+
+
+def _finish(partial: Path, target: Path, old: Path, marker: dict[str, Any]) -> None:
+    carry_user_files(target, partial)
+    publish(partial, target, old, marker)
 
 
 def load(
@@ -92,34 +140,64 @@ def load(
     """Read a checkpoint written by `save` into `model` (and `optimizer`), in place.
 
     Call it on every rank (it is collective), after `prepare` or on the plain module in one
-    process: the checkpoint is resharded to however `model` is laid out now.
+    process: the checkpoint is resharded to however `model` is laid out now. Every file is checked
+    against the checksum its save recorded before anything is changed; if reading fails part way,
+    the model and optimizer are put back as they were (from a host copy of this rank's share).
 
     Args:
-        path: a directory written by `autoshard.save`.
+        path: a directory written by `autoshard.save` (or a symbolic link to one).
         model: DistributedDataParallel, an FSDP2 module or a plain module, with the same parameter
             names and shapes as the saved one.
         optimizer: receives the saved state and hyper-parameters (learning rate included), or
             None to load the model only.
 
     Raises:
-        TypeError, ValueError: bad arguments, a path that is not a complete checkpoint, or a
+        TypeError, ValueError: bad arguments, a path that is not a complete checkpoint, a damaged
+            checkpoint (naming the file), ranks that see different checkpoints at `path`, or a
             model whose names or shapes differ from the checkpoint's (on every rank, before the
             model or optimizer is changed), or an optimizer of another class or options.
-        RuntimeError: reading failed on some rank.
+        RuntimeError: reading failed on some rank (the model and optimizer are unchanged).
     """
     world = resolve(init=True)
-    error: Exception | None = None
-    try:
-        checkpoint = _check_path(path)
+
+    def check_here() -> tuple[Path, str, Saved, str | None]:
         _check_model_and_optimizer(model, optimizer)
+        checkpoint, note = locate(_check_path(path))
         marker = _read_marker(checkpoint)
+        verify(checkpoint, marker, world.rank, world.world_size)
         _check_optimizer_class(optimizer, marker.get("optimizer"), checkpoint)
-        saved = Saved.read(checkpoint)
+        saved = _read_metadata(checkpoint)
         _check_model_matches(model, saved.shapes, checkpoint)
-    except (TypeError, ValueError) as caught:
-        error = caught
-    _raise_everywhere(world, error)
-    read(checkpoint, model, optimizer, saved, world)
+        return checkpoint, str(marker["id"]), saved, note
+
+    answers = agree(world, "load()", check_here)
+    checkpoint, _, saved, note = answers[world.rank if world.distributed else 0]
+    ids = {a[1] for a in answers}
+    if len(ids) > 1:
+        raise ValueError(
+            f"the ranks see different checkpoints at {str(path)!r} (a save to it ran while they "
+            f"looked, or their filesystems differ); every rank must load the same checkpoint: "
+            f"load again once no save is running, from a path every rank sees alike"
+        )
+    if note is not None and world.rank == 0:
+        warnings.warn(note, UserWarning, stacklevel=2)
+    kept = take_snapshot(model, optimizer, torch.device("cpu"))
+    try:
+        read(checkpoint, model, optimizer, saved, world)
+    except BaseException:
+        restore(kept, model, optimizer, torch.device("cpu"), clear_grads=False)
+        raise
+
+
+def _read_metadata(checkpoint: Path) -> Saved:
+    try:
+        return Saved.read(checkpoint)
+    except Exception as error:  # the checksums matched: written by a torch this one cannot read
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} cannot be read: DCP's {DCP_METADATA} fails to load "
+            f"({type(error).__name__}: {error}); it was written by torch {torch.__version__!r} "
+            f"or another version: load it with the torch that wrote it"
+        ) from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +224,9 @@ def _check_save_target(target: Path) -> None:
             f"path {str(target)!r} exists and is not a directory; save writes a checkpoint "
             f"directory: choose another path or remove the file"
         )
-    if target.is_dir() and not (target / MARKER).exists() and any(target.iterdir()):
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if owned_by_autoshard(target) is None:  # raises for a marker autoshard did not write
         raise ValueError(
             f"path {str(target)!r} is a non-empty directory that is not an autoshard checkpoint "
             f"(no {MARKER}); save replaces the directory it writes to, so choose another path or "
@@ -194,29 +274,13 @@ def _check_optimizer_class(optimizer: Any, saved: str | None, where: Path) -> No
 
 
 def _read_marker(checkpoint: Path) -> dict[str, Any]:
-    if not checkpoint.is_dir():
-        _, old = _siblings(checkpoint)
-        hint = (
-            f"; a save that was interrupted while replacing it left the previous checkpoint at "
-            f"{str(old)!r} (the next save to this path puts it back first)"
-            if old.is_dir()
-            else ""
-        )
-        raise ValueError(f"no checkpoint directory at {str(checkpoint)!r}{hint}")
-    marker = checkpoint / MARKER
-    if not marker.exists() or not (checkpoint / _DCP_METADATA).exists():
+    if not (checkpoint / MARKER).exists() or not (checkpoint / DCP_METADATA).exists():
         raise ValueError(
             f"{str(checkpoint)!r} is not a complete autoshard checkpoint (no {MARKER} or "
-            f"{_DCP_METADATA}): it was not written by autoshard.save, or its save did not finish; "
+            f"{DCP_METADATA}): it was not written by autoshard.save, or its save did not finish; "
             f"load an earlier checkpoint"
         )
-    content: dict[str, Any] = json.loads(marker.read_text())
-    if content.get("format") != FORMAT:
-        raise ValueError(
-            f"checkpoint {str(checkpoint)!r} has format {content.get('format')!r}, this autoshard "
-            f"reads format {FORMAT}; load it with the autoshard version that wrote it"
-        )
-    return content
+    return read_marker(checkpoint)
 
 
 def _check_model_matches(model: nn.Module, saved: dict[str, torch.Size], where: Path) -> None:
@@ -246,79 +310,6 @@ def _check_model_matches(model: nn.Module, saved: dict[str, torch.Size], where: 
 # Agreement: every rank raises when any rank must, instead of leaving the others in a collective
 
 
-def _raise_everywhere(world: World, error: Exception | None) -> None:
-    if not world.distributed:
-        if error is not None:
-            raise error
-        return
-    messages: list[Any] = [None] * world.world_size
-    own = None if error is None else (type(error).__name__, str(error))
-    dist.all_gather_object(messages, own)
-    if error is not None:
-        raise error
-    failed = next(((r, m) for r, m in enumerate(messages) if m is not None), None)
-    if failed is not None:
-        rank, (kind, message) = failed
-        cls = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
-        raise cls(f"rank {rank} failed ({kind}): {message}")
-
-
 def _on_rank0(world: World, action: Any) -> None:
     """Run `action` on rank 0 only; every rank returns (or raises) once it is done."""
-    error: Exception | None = None
-    if world.rank == 0:
-        try:
-            action()
-        except OSError as caught:
-            error = caught
-    _raise_everywhere(world, error)
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing and reading
-
-
-def _siblings(target: Path) -> tuple[Path, Path]:
-    """Where a save writes before it is complete, and where it moves the checkpoint it replaces."""
-    return (
-        target.parent / f".{target.name}.autoshard-partial",
-        target.parent / f".{target.name}.autoshard-old",
-    )
-
-
-def _clear_leftovers(target: Path, partial: Path, old: Path) -> None:
-    """Undo what an interrupted save left: a half-written directory is deleted; a checkpoint
-    renamed aside is put back if nothing replaced it, else deleted (the replacement is complete)."""
-    if partial.exists():
-        shutil.rmtree(partial)
-    if old.exists():
-        if target.exists():
-            shutil.rmtree(old)
-        else:
-            old.rename(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _publish(partial: Path, target: Path, old: Path, marker: dict[str, Any]) -> None:
-    """Mark the written directory complete, then move it into place (rank 0, after DCP finished:
-    the coordinator writes DCP's metadata only once every rank's data is written)."""
-    staged = partial / f"{MARKER}.tmp"
-    with open(staged, "w") as handle:
-        json.dump(marker, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    staged.rename(partial / MARKER)
-    if target.exists():
-        target.rename(old)
-    partial.rename(target)
-    _fsync_dir(target.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    agree(world, "save()", lambda: action() if world.rank == 0 else None)

@@ -12,7 +12,6 @@ import warnings
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -21,6 +20,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from autoshard._agree import agree
 from autoshard._world import World, resolve
 
 # Everything a DataLoader keeps besides its dataset and sampler, carried over as it is.
@@ -104,24 +104,37 @@ def shard_dataloader(loader: DataLoader[Any], *, seed: int | None = None) -> Dat
     Raises:
         TypeError: `loader` is not a DataLoader.
         ValueError: an IterableDataset, a custom sampler or batch_sampler, or a DataLoader
-            subclass, which this cannot rebuild faithfully.
+            subclass, which this cannot rebuild faithfully; `drop_last=True` with fewer samples
+            than ranks x batch_size (every rank would get no batch). Raised on every rank when
+            any rank's loader is refused.
     """
-    if not isinstance(loader, DataLoader):
-        raise TypeError(
-            f"loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}"
-        )
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
-    if is_sharded(loader):
-        return loader
-    shuffle = _check_rebuildable(loader)
     world = resolve(init=True)
+
+    def check_here() -> tuple[bool, bool, int]:
+        if not isinstance(loader, DataLoader):
+            raise TypeError(
+                f"loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}"
+            )
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if is_sharded(loader):
+            return True, False, 0
+        shuffle = _check_rebuildable(loader)
+        _check_batches(loader, world.world_size)
+        return False, shuffle, _default_seed(loader) if seed is None else seed
+
+    # Every rank checks its own loader and learns rank 0's seed in one agreement: a loader that
+    # cannot be rebuilt on one rank raises on every rank, none waits for the others.
+    answers = agree(world, "shard_dataloader()", check_here)
+    sharded, shuffle, _ = answers[world.rank if world.distributed else 0]
+    if sharded:
+        return loader
     sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset,
         num_replicas=world.world_size,
         rank=world.rank,
         shuffle=shuffle,
-        seed=_agreed_seed(world, _default_seed(loader) if seed is None else seed),
+        seed=answers[0][2],
         drop_last=loader.drop_last,
     )
     kwargs = {name: getattr(loader, name) for name in _CARRIED}
@@ -172,19 +185,26 @@ def _check_rebuildable(loader: DataLoader[Any]) -> bool:
     )
 
 
+def _check_batches(loader: DataLoader[Any], world_size: int) -> None:
+    """drop_last=True with fewer samples than ranks x batch_size gives every rank zero batches."""
+    if not loader.drop_last or loader.batch_size is None:
+        return
+    samples = len(loader.dataset)  # type: ignore[arg-type]
+    share = samples // world_size
+    if share < loader.batch_size:
+        raise ValueError(
+            f"the dataset has {samples} sample(s): with drop_last=True each of the {world_size} "
+            f"rank(s) gets {share}, fewer than batch_size={loader.batch_size}, so every rank "
+            f"would get zero batches; use drop_last=False, a batch_size of at most "
+            f"{max(share, 1)}, fewer ranks, or more data"
+        )
+
+
 def _default_seed(loader: DataLoader[Any]) -> int:
     generator = getattr(loader.sampler, "generator", None) or loader.generator
     if isinstance(generator, torch.Generator):
         return int(generator.initial_seed())
     return int(torch.initial_seed())
-
-
-def _agreed_seed(world: World, seed: int) -> int:
-    if not world.distributed:
-        return seed
-    box: list[Any] = [seed]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
 
 
 _warned_unsharded = False

@@ -110,6 +110,8 @@ def dcp_errors(action: str, consequence: str) -> Iterator[None]:
         ranks = sorted(error.failures)
         first = error.failures[ranks[0]]
         cause = first[0] if isinstance(first, tuple) else first
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause  # what disk_full looks at
         raise RuntimeError(
             f"{action} failed on rank(s) {ranks}: {type(cause).__name__}: {cause}; {consequence}"
         ) from error
@@ -158,3 +160,31 @@ def read(
     # Not strict: torch would refuse a trainable parameter without saved state, which is what an
     # optimizer that never updated that parameter saves (the model's tensors were matched above).
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(strict=False))
+
+
+def disk_full(error: BaseException, where: Path) -> OSError | None:
+    """An OSError saying "no space left on device at <where>" when that is what `error` (or its
+    cause) came from: ENOSPC or EDQUOT, or the short write torch's zip writer reports as
+    "unexpected pos" on a full disk."""
+    import errno
+    import shutil
+
+    seen: BaseException | None = error
+    short_write = False
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        short_write = short_write or "unexpected pos" in str(seen)
+        seen = seen.__cause__ or seen.__context__
+    if seen is None and short_write:
+        directory = where.parent if where.parent.exists() else Path(".")
+        if shutil.disk_usage(directory).free < 64 << 20:
+            seen = error
+    if seen is None:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device at {str(where)!r} ({type(seen).__name__}: {seen}); free some "
+        f"space or save elsewhere: a checkpoint already there is unchanged and the partial one "
+        f"was removed",
+    )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import socket
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -11,9 +11,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from autoshard._agree import agree
 from autoshard._apply import DTYPES, start
 from autoshard._batch import LossFn
 from autoshard._blocks import find_blocks
+from autoshard._consistent import (
+    buffer_digests,
+    fingerprint,
+    raise_if_inconsistent,
+    warn_if_buffers_differ,
+)
 from autoshard._data import check_dataloader, warn_if_unsharded
 from autoshard._inputs import (
     blocks_reason,
@@ -28,14 +35,20 @@ from autoshard._inputs import (
     worst,
 )
 from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide, strategies_for
+from autoshard._snapshot import kept_grads, put_back_grads
 from autoshard._trial import prove
 from autoshard._units import parse_bytes
-from autoshard._validate import Request, check_model, check_optimizer, check_request
+from autoshard._validate import (
+    Request,
+    check_batch_device,
+    check_model,
+    check_optimizer,
+    check_request,
+)
 from autoshard._world import (
     Memory,
     RankReport,
     World,
-    agree,
     launched_world_size,
     local_memory,
     resolve,
@@ -70,45 +83,6 @@ class Prepared(_PreparedFields):
         self = super().__new__(cls, model, optimizer, plan)
         self.scaler = scaler
         return self
-
-
-def _fingerprint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, request: Request
-) -> tuple[Any, ...]:
-    """Everything that decides which collectives a rank will run: ranks that differ in any of it
-    would wait for each other forever, so they must be refused together instead."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
-    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
-    return (
-        ("model", digest.hexdigest()[:16]),
-        ("optimizer", (type(optimizer).__name__, groups)),
-        ("optimizer state", len(optimizer.state)),  # resumed on some ranks only?
-        ("example_batch", batch is None),
-        ("request", request),
-        ("torch", torch.__version__),
-    )
-
-
-def _raise_rank_errors(reports: list[RankReport], world: World, own: Exception | None) -> None:
-    if own is not None:
-        raise own
-    failed = [r for r in reports if r.error is not None]
-    if failed:
-        first = failed[0]
-        raise ValueError(f"rank {first.rank} rejected its arguments to prepare(): {first.error}")
-    reference = reports[0].fingerprint
-    differing = [r.rank for r in reports if r.fingerprint != reference]
-    if differing:
-        other = reports[differing[0]].fingerprint
-        fields = [name for (name, a), (_, b) in zip(reference, other, strict=True) if a != b]
-        raise ValueError(
-            f"ranks disagree with rank 0 on {', '.join(fields)} (ranks {differing}): every rank "
-            f"must call prepare() with the same model, the same optimizer (state included: resume "
-            f"it on every rank or none), an example_batch on every rank or none, and the same "
-            f"arguments"
-        )
 
 
 def _validate(
@@ -158,7 +132,11 @@ def prepare(
 
     Raises:
         TypeError, ValueError: bad arguments, on any rank (raised on every rank, before anything
-            is changed); `DoesNotFit` (a ValueError) when no candidate fits.
+            is changed); `DoesNotFit` (a ValueError) when no candidate fits. Any exception raised
+            on one rank before the trial is raised on every rank: the same type (or
+            `PeerError`) naming the failing rank and its message.
+        PeerTimeout: a rank did not reach an agreement point within the agreement timeout
+            (`autoshard.set_agreement_timeout`, default 300 s); it names the rank.
     """
     options = dict(
         strategy=strategy,
@@ -167,34 +145,29 @@ def prepare(
         memory_limit=memory_limit,
         trial_step=trial_step,
     )
-    request: Request | None = None
-    own_error: Exception | None = None
-    try:
-        request = _validate(model, optimizer, loss_fn, options)
-        check_dataloader(dataloader)
-    except (TypeError, ValueError) as error:
-        own_error = error
     world = resolve(init=True)
-    if own_error is not None and not world.distributed:
-        raise own_error
     decision = _decide_everywhere(
-        model, optimizer, example_batch, loss_fn, world, request, own_error
+        model, optimizer, example_batch, loss_fn, world, options, dataloader
     )
     warn_if_unsharded(dataloader, world)
-    wrapping = start(
-        model, decision.block_names, world, decision.plan.mixed_precision, decision.find_unused
-    )
-    result = prove(
-        wrapping,
-        optimizer,
-        decision.first,
-        decision.rungs,
-        example_batch,
-        loss_fn,
-        trial_step,
-        decision.plan.device_memory_bytes,
-        decision.memory_limit,
-    )
+    grads = kept_grads(model)  # copied aside and cleared; put back whatever happens
+    try:
+        wrapping = start(
+            model, decision.block_names, world, decision.plan.mixed_precision, decision.find_unused
+        )
+        result = prove(
+            wrapping,
+            optimizer,
+            decision.first,
+            decision.rungs,
+            example_batch,
+            loss_fn,
+            trial_step,
+            decision.plan.device_memory_bytes,
+            decision.memory_limit,
+        )
+    finally:
+        put_back_grads(model, grads)
     final = after_trial(
         decision.plan, result.chosen, result.attempts, result.measured_peak, result.notes
     )
@@ -221,32 +194,47 @@ def _decide_everywhere(
     example_batch: Any,
     loss_fn: LossFn | None,
     world: World,
-    request: Request | None,
-    own_error: Exception | None,
+    options: dict[str, Any],
+    dataloader: Any,
 ) -> _Decision:
-    """Measure here, agree with every rank in one collective (raising the same error everywhere
-    if any rank's arguments were bad), then decide from the agreed data, the same everywhere."""
-    measured, names, blocks, reasons = None, [], [], list(world.reasons)
-    mp = "no"
-    if request is not None:
+    """Check and measure here, agree with every rank (every rank raises if any rank's arguments
+    were bad or its checks failed, whatever the exception), then decide from the agreed data, the
+    same everywhere."""
+    here: dict[str, Any] = {}
+
+    def measure_here() -> RankReport:
+        request = _validate(model, optimizer, loss_fn, options)
+        check_dataloader(dataloader)
+        check_batch_device(example_batch, request_trial=bool(options["trial_step"]))
         names = [name for name, _ in find_blocks(model)]
         blocks = [model.get_submodule(n) for n in names]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
-        reasons += [mp_reason, blocks_reason(model, names)]
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
         if measured.user_error is not None:
-            own_error = ValueError(measured.user_error)
-    reports = agree(
-        world,
-        with_resident(local_memory(world), model, optimizer, world.device),
-        _fingerprint(model, optimizer, example_batch, request)
-        if request is not None and own_error is None
-        else (),
-        None if own_error is None else str(own_error),
-        measured,
-    )
-    _raise_rank_errors(reports, world, own_error)
-    assert request is not None and measured is not None  # else _raise_rank_errors raised
+            raise ValueError(measured.user_error)
+        reasons = [*world.reasons, mp_reason, blocks_reason(model, names)]
+        here.update(request=request, names=names, blocks=blocks, mp=mp, reasons=reasons)
+        return RankReport(
+            world.rank,
+            socket.gethostname(),
+            with_resident(local_memory(world), model, optimizer, world.device),
+            fingerprint(model, optimizer, example_batch, request, loss_fn, options["trial_step"]),
+            None,
+            measured,
+            buffer_digests(model),
+        )
+
+    reports = agree(world, "prepare()", measure_here)
+    raise_if_inconsistent(reports)
+    differing = warn_if_buffers_differ(reports, world.rank)
+    request, names, blocks, mp = here["request"], here["names"], here["blocks"], here["mp"]
+    measured = reports[world.rank].measured
+    reasons: list[str] = here["reasons"]
+    if differing:
+        reasons.append(
+            f"{len(differing)} buffer(s) differed between ranks (e.g. '{differing[0]}'): every "
+            f"rank now holds rank 0's"
+        )
     usable, usable_reason = usable_memory(reports, request.memory_limit)
     unused = sorted(
         {n for r in reports if r.measured.profile for n in r.measured.profile.unused_parameters}

@@ -34,7 +34,7 @@ def _host_copy(value: Any) -> Any:
 
 def take_snapshot(
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     device: torch.device,
     *,
     module_tensors: bool = True,
@@ -45,10 +45,12 @@ def take_snapshot(
     return Snapshot(
         tensors=[(t, t.detach().to("cpu", copy=True)) for t in live],
         optimizer_state={
-            p: {k: _host_copy(v) for k, v in s.items()} for p, s in optimizer.state.items()
+            p: {k: _host_copy(v) for k, v in s.items()}
+            for p, s in (optimizer.state.items() if optimizer is not None else ())
         },
         group_options=[
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+            {k: v for k, v in g.items() if k != "params"}
+            for g in (optimizer.param_groups if optimizer is not None else ())
         ],
         cpu_rng=torch.get_rng_state(),
         cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
@@ -56,7 +58,12 @@ def take_snapshot(
 
 
 def restore(
-    snapshot: Snapshot, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    snapshot: Snapshot,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
+    *,
+    clear_grads: bool = True,
 ) -> None:
     """Copy the snapshot back in place; state the step created (a fresh optimizer's) is dropped.
     The optimizer updates its state tensors in place, so those that existed are still the ones
@@ -64,12 +71,12 @@ def restore(
     with torch.no_grad():
         for live, copy in snapshot.tensors:
             live.copy_(copy)
-        for param in list(optimizer.state):
+        for param in list(optimizer.state if optimizer is not None else ()):
             saved = snapshot.optimizer_state.get(param)
             if saved is None:
-                del optimizer.state[param]
+                del optimizer.state[param]  # type: ignore[union-attr]
                 continue
-            state = optimizer.state[param]
+            state = optimizer.state[param]  # type: ignore[union-attr]
             for key in [k for k in state if k not in saved]:
                 del state[key]
             for key, value in saved.items():
@@ -77,10 +84,42 @@ def restore(
                     _local(state[key]).copy_(value)
                 else:
                     state[key] = value
-    for param in module.parameters():
-        param.grad = None
-    for group, options in zip(optimizer.param_groups, snapshot.group_options, strict=True):
+    if clear_grads:
+        for param in module.parameters():
+            param.grad = None
+    groups = optimizer.param_groups if optimizer is not None else []
+    for group, options in zip(groups, snapshot.group_options, strict=True):
         group.update(options)
     torch.set_rng_state(snapshot.cpu_rng)
     if snapshot.cuda_rng is not None:
         torch.cuda.set_rng_state(snapshot.cuda_rng, device)
+
+
+def kept_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Host copies of the gradients the caller's parameters hold, by name; the gradients are
+    cleared (the trial step must not accumulate into them)."""
+    kept = {}
+    for name, param in module.named_parameters():
+        if param.grad is not None:
+            kept[name] = _host_copy(param.grad)
+            param.grad = None
+    return kept
+
+
+def put_back_grads(module: nn.Module, kept: dict[str, torch.Tensor]) -> None:
+    """Give each parameter its gradient back, bitwise, laid out as the parameter now is (a
+    sharded parameter gets this rank's shard of it, with no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in module.named_parameters():
+        grad = kept.get(name)
+        if grad is None:
+            continue
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            whole = grad.to(device=local.device, dtype=param.dtype)
+            param.grad = distribute_tensor(
+                whole, param.device_mesh, param.placements, src_data_rank=None
+            )
+        else:
+            param.grad = grad.to(device=param.device, dtype=param.dtype)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +26,11 @@ from autoshard._agree import (
     Agreement,
     PeerFailed,
     ddp_sync_points,
+    exchange,
     fsdp_sync_points,
+    settle,
 )
-from autoshard._apply import Wrapping, apply, ddp, sync_from_rank0
+from autoshard._apply import Wrapping, apply, ddp
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
 from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
@@ -82,6 +86,7 @@ class Outcome:
     peak: int | None  # the largest measured per-rank peak any rank reported
     error: Exception | None  # what this rank itself raised first (None if a peer failed first)
     seconds: float
+    losses: list[float]  # this rank's loss at each step it completed
 
 
 @contextlib.contextmanager
@@ -145,6 +150,7 @@ def attempt(
     agreement = Agreement(wrapping.world)
     error: Exception | None = None
     box: list[int | None] = [None]
+    losses: list[float] = []
     # A fresh optimizer creates its state in the first step: only the second one runs forward and
     # backward next to it, which is the peak every later step reaches.
     steps = 1 if optimizer.state else 2
@@ -160,7 +166,11 @@ def attempt(
                 for index in range(steps):
                     if index:
                         between_steps()
-                    run_step(wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement)
+                    losses.append(
+                        run_step(
+                            wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement
+                        )
+                    )
             except PeerFailed:
                 pass
             except Exception as caught:  # classified below, outside the except block
@@ -178,7 +188,7 @@ def attempt(
     # its activations and (under DDP) the reducer, which must be freed before the next rung.
     kept = error if code == ERROR else None
     del error
-    return Outcome([c for c, _ in rows], peak, kept, seconds)
+    return Outcome([c for c, _ in rows], peak, kept, seconds, losses)
 
 
 def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool) -> str | None:
@@ -301,24 +311,25 @@ def prove(
     batch = batch_to(batch, wrapping.world.device)
     current, attempts, tried = first, [], set()
     while True:
-        # DDP's replicas are identical and every path after a DDP attempt re-broadcasts rank 0's
-        # (a new DDP, FSDP's sync, or the broadcast below): only rank 0 copies them.
-        replica = wrapping.ddp is not None and wrapping.world.rank != 0
-        snapshot = take_snapshot(
-            wrapping.module, optimizer, wrapping.world.device, module_tensors=not replica
-        )
-        outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
+        snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
+        try:
+            outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
+        except BaseException:
+            # The agreement itself failed (a peer died or stalled): this rank still goes back to
+            # what the caller passed in before raising.
+            _clean_up(wrapping, optimizer, True)
+            restore(snapshot, wrapping.module, optimizer, wrapping.world.device)
+            raise
         failed = any(outcome.codes)
         problem = _clean_up(wrapping, optimizer, failed)
         restore(snapshot, wrapping.module, optimizer, wrapping.world.device)
         del snapshot
-        if failed and wrapping.strategy == Strategy.DDP:
-            sync_from_rank0(wrapping.module, wrapping.world.device)  # the replicas not copied
         if ERROR in outcome.codes:
             _raise_error(outcome, wrapping)
         label = (current.strategy, current.activation_checkpointing)
         if not failed:
             attempts.append(Attempt(*label, f"fit ({outcome.seconds:.2f}s)", outcome.peak))
+            _note_non_finite(wrapping, outcome.losses)
             _drop_trial_hooks(wrapping)
             return TrialResult(current, tuple(attempts), outcome.peak, tuple(wrapping.notes))
         if problem is not None:  # the same on every rank: all raise it
@@ -348,24 +359,27 @@ def _drop_trial_hooks(wrapping: Wrapping) -> None:
 
 
 def _raise_error(outcome: Outcome, wrapping: Wrapping) -> None:
-    """A non-OOM failure: every rank first learns what it was (one exchange, so none is left
-    waiting), then it is re-raised, unchanged, where it happened; elsewhere a RuntimeError says
-    where to look."""
-    world = wrapping.world
-    mine = f"{type(outcome.error).__name__}: {outcome.error}" if outcome.error else None
-    described: list[Any] = [mine]
-    if world.distributed:
-        import torch.distributed as dist
+    """A non-OOM failure: re-raised, unchanged, where it happened; elsewhere the same type (or a
+    PeerError) naming the rank that failed and its message (`_agree.settle`)."""
+    settle(wrapping.world, "prepare()'s trial step", outcome.error)
+    rank = outcome.codes.index(ERROR)  # settle raised unless that rank's error was lost
+    raise RuntimeError(f"rank {rank} failed during prepare()'s trial step; see its traceback")
 
-        described = [None] * world.world_size
-        dist.all_gather_object(described, mine)
-    if outcome.error is not None:
-        raise outcome.error
-    rank = outcome.codes.index(ERROR)
-    raise RuntimeError(
-        f"rank {rank} failed during prepare()'s trial step with {described[rank]}; see rank "
-        f"{rank}'s traceback. This rank stopped instead of waiting for it."
+
+def _note_non_finite(wrapping: Wrapping, losses: list[float]) -> None:
+    """A loss that is nan or inf trains nothing: say so in the plan's reasons and warn."""
+    bad = [not math.isfinite(v) for v in losses]
+    flags = exchange(wrapping.world, "prepare()'s trial step", any(bad))
+    ranks = [r for r, flag in enumerate(flags) if flag]
+    if not ranks:
+        return
+    note = (
+        f"the trial step's loss was not finite (nan or inf) on rank(s) {ranks}: the model, its "
+        f"initialisation, the learning rate or the batch produce "
+        f"nan/inf, and training would not learn; check the loss of one plain step"
     )
+    wrapping.notes.append(note)
+    warnings.warn(note, RuntimeWarning, stacklevel=4)
 
 
 def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:

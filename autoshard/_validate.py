@@ -89,6 +89,19 @@ def _check_not_sharded(model: nn.Module) -> None:
             )
 
 
+def check_batch_device(batch: Any, *, request_trial: bool) -> None:
+    """A trial step trains on the batch: a tensor on the meta device has no data to train on."""
+    from autoshard._batch import tensors_in
+
+    meta = [t for t in tensors_in(batch) if t.is_meta]
+    if request_trial and meta:
+        raise ValueError(
+            f"example_batch holds {len(meta)} tensor(s) on the meta device (e.g. shape "
+            f"{tuple(meta[0].shape)}), which have no data for prepare()'s trial step to train on; "
+            f"pass a real batch, or trial_step=False (plan() also takes a meta batch)"
+        )
+
+
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

@@ -3,15 +3,14 @@
 rank, local rank, world size, backend and training device come from the process group (or
 the variables torchrun and `accelerate launch` set); free memory from pynvml on GPU (falling back
 to `torch.cuda.mem_get_info`) and from psutil on CPU. What must hold on every rank is agreed with
-one collective: `agree`.
+one agreement (`_agree.agree`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -173,18 +172,4 @@ class RankReport:
     fingerprint: tuple[Any, ...]
     error: str | None
     measured: Any
-
-
-def agree(
-    world: World, memory: Memory, fingerprint: tuple[Any, ...], error: str | None, measured: Any
-) -> list[RankReport]:
-    """Exchange every rank's memory, host, argument fingerprint, validation error and traced
-    activations in one
-    collective, so that every rank reaches the same decision (or raises the same error) and no
-    rank is left waiting in a collective another rank never enters."""
-    mine = RankReport(world.rank, socket.gethostname(), memory, fingerprint, error, measured)
-    if not world.distributed:
-        return [mine]
-    reports: list[Any] = [None] * world.world_size
-    dist.all_gather_object(reports, mine)
-    return reports
+    buffers: dict[str, str] = field(default_factory=dict)  # name -> digest of its values

@@ -112,15 +112,7 @@ def run_torchrun(
         CUDA_VISIBLE_DEVICES="",  # this tier is CPU/gloo even on a GPU machine
     )
     env.pop("TORCHELASTIC_RUN_ID", None)
-    proc = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _start(command, env)
     timed_out = False
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -131,20 +123,76 @@ def run_torchrun(
     return proc.returncode, output or "", timed_out
 
 
+def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_ranks(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]:
+    """Start NPROC ranks of `script` directly, without torchrun, with the variables torchrun
+    would set: a rank that dies (SIGKILL) then leaves the others running, as on a real cluster
+    whose launcher is slower to react than autoshard's agreement. Returns (the worst return
+    code, their output, timed out)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for r in range(NPROC):
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
+            PYTHONUNBUFFERED="1",
+            CUDA_VISIBLE_DEVICES="",
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(NPROC),
+            LOCAL_WORLD_SIZE=str(NPROC),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(_start([sys.executable, str(script), *args], env))
+    deadline = time.monotonic() + timeout
+    outputs, codes, timed_out = [], [], False
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_tree(proc)
+            output, _ = proc.communicate()
+        outputs.append(output or "")
+        codes.append(proc.returncode)
+    return max(codes, key=abs), "\n".join(outputs), timed_out
+
+
 def launch(
     worker: str,
     out_dir: Path,
     *args: str,
     timeout: float = TIMEOUT_S,
-    launcher: tuple[str, ...] = TORCHRUN,
+    launcher: tuple[str, ...] | None = TORCHRUN,
 ) -> Launch:
-    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun (or `launcher`) and
-    collect results."""
+    """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun (or `launcher`; None
+    starts the ranks directly, see `run_ranks`) and collect results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    returncode, output, timed_out = run_torchrun(
-        WORKERS / f"{worker}.py", str(out_dir), *args, timeout=timeout, launcher=launcher
-    )
+    script = WORKERS / f"{worker}.py"
+    if launcher is None:
+        returncode, output, timed_out = run_ranks(script, str(out_dir), *args, timeout=timeout)
+    else:
+        returncode, output, timed_out = run_torchrun(
+            script, str(out_dir), *args, timeout=timeout, launcher=launcher
+        )
     ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(NPROC)]
     return Launch(
         worker=worker,
