@@ -207,10 +207,21 @@ def agree(world: World, what: str, compute: Callable[[], T]) -> list[T]:
     """Run `compute` here and agree with every rank before anything else: every rank's value in
     rank order, or, if it raised on any rank, that exception on every rank (see the module's
     docstring). `what` names the call for the messages, e.g. "load()"."""
+    return _agree(world, what, compute, share_values=True)
+
+
+def agree_here(world: World, what: str, compute: Callable[[], T]) -> T:
+    """`agree`, returning this rank's own value; only whether it succeeded travels (the value
+    may be large: a state dict)."""
+    values = _agree(world, what, compute, share_values=False)
+    return values[world.rank if world.distributed else 0]
+
+
+def _agree(world: World, what: str, compute: Callable[[], T], share_values: bool) -> list[T]:
     own: BaseException | None = None
     try:
         value = compute()
-        entry = pickle.dumps(("ok", value)) if world.distributed else b""
+        entry = pickle.dumps(("ok", value if share_values else None)) if world.distributed else b""
     except _PASSING:
         raise
     except BaseException as error:
@@ -225,12 +236,9 @@ def agree(world: World, what: str, compute: Callable[[], T]) -> list[T]:
     for rank, reply in enumerate(replies):
         if reply[0] == "error":
             raise _rebuilt(rank, what, *reply[1:])
+    if not share_values:
+        return [value if r == world.rank else None for r in range(len(replies))]  # type: ignore[misc]
     return [reply[1] for reply in replies]
-
-
-def agree_here(world: World, what: str, compute: Callable[[], T]) -> T:
-    """`agree`, returning this rank's own value."""
-    return agree(world, what, compute)[world.rank if world.distributed else 0]
 
 
 def settle(world: World, what: str, error: BaseException | None) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from autoshard._agree import PeerTimeout, agree, agree_here
-from autoshard._dcp import Saved, dcp_errors, disk_full, read, write
+from autoshard._dcp import Saved, dcp_errors, disk_full, read, state_to_save, write
 from autoshard._layout import (
     DCP_METADATA,
     MARKER,
@@ -95,8 +95,11 @@ def save(
         "optimizer": None if optimizer is None else type(optimizer).__name__,
     }
     try:
+        # Built (and any failure agreed) before DCP's first collective.
+        state = agree_here(world, "save()", lambda: state_to_save(model, optimizer))
         with dcp_errors(f"save to {str(target)!r}", "a checkpoint already there is unchanged"):
-            write(partial, model, optimizer, world)
+            write(partial, state, world)
+        del state
         files = _checksums(partial, world)
         _on_rank0(world, lambda: _finish(partial, target, old, new_marker(files, info)))
     except BaseException as error:

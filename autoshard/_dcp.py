@@ -45,24 +45,28 @@ class Saved:
         return Saved(shapes, optimizer_state)
 
 
-def write(
-    partial: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, world: World
-) -> None:
-    import torch.distributed.checkpoint as dcp
+def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What `save` writes, named by the plain module's names (FSDP2 shards stay shards)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    state: dict[str, Any]
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        stepped = bool(optimizer.state)
+        return {"model": get_model_state_dict(model)}
+    stepped = bool(optimizer.state)
+    try:
         model_state, optim_state = get_state_dict(model, optimizer)
+    finally:
         if not stepped:
             # get_state_dict gives a fresh optimizer state by running one zero step (step=1, zero
-            # moments); that is not the caller's state: save none and leave the optimizer as it was.
+            # moments); that is not the caller's state: save none, leave the optimizer as it was.
             optimizer.state.clear()
-            optim_state["state"] = {}
-        state = {"model": model_state, "optimizer": optim_state}
+    if not stepped:
+        optim_state["state"] = {}
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def write(partial: Path, state: dict[str, Any], world: World) -> None:
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=str(partial), no_dist=not world.distributed)
 
 

@@ -36,12 +36,10 @@ def take_snapshot(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     device: torch.device,
-    *,
-    module_tensors: bool = True,
 ) -> Snapshot:
-    """`module_tensors=False` leaves parameters and buffers out: a caller that restores them by
-    broadcast from a rank that kept them (DDP's replicas) copies nothing on the other ranks."""
-    live = [_local(t) for t in [*module.parameters(), *module.buffers()]] if module_tensors else []
+    """Every rank copies its own tensors (DDP's replicas too): a rank whose peer died mid-step
+    must put itself back without anyone's help."""
+    live = [_local(t) for t in [*module.parameters(), *module.buffers()]]
     return Snapshot(
         tensors=[(t, t.detach().to("cpu", copy=True)) for t in live],
         optimizer_state={
