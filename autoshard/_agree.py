@@ -265,18 +265,47 @@ def _describe(error: BaseException) -> tuple[str, bytes | None, str, str]:
 
 def _rebuilt(rank: int, what: str, kind: bytes | None, name: str, message: str) -> BaseException:
     """The failing rank's exception, re-created on this rank: the same type when it takes a
-    message, else a PeerError; either way naming the rank and the original message."""
+    message; else a PeerError that is also a subclass of that type (where Python allows it), so
+    `except ThatType` still catches it; either way naming the rank and the original message."""
     text = f"rank {rank} failed in {what} with {name}: {message}"
-    try:
-        cls = pickle.loads(kind) if kind is not None else None
-        error = cls(text) if cls is not None else None
-    except Exception:
-        error = None
-    if not isinstance(error, BaseException) or text not in str(error):
-        return PeerError(f"{text}; see rank {rank}'s traceback", rank, name)
+    cls: Any = None
     with contextlib.suppress(Exception):
-        error.rank = rank  # type: ignore[attr-defined]
-    return error
+        cls = pickle.loads(kind) if kind is not None else None
+    error: Any = None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        with contextlib.suppress(Exception):
+            error = cls(text)
+        if error is None or text not in _text(error):
+            error = _subclass_of(cls, f"{text}; see rank {rank}'s traceback", rank, name)
+    if error is None:
+        error = PeerError(f"{text}; see rank {rank}'s traceback", rank, name)
+    with contextlib.suppress(Exception):
+        error.rank = rank
+    return error  # type: ignore[no-any-return]
+
+
+def _subclass_of(cls: type, text: str, rank: int, name: str) -> BaseException | None:
+    """A PeerError that is also a `cls`, for a `cls` whose constructor takes other arguments."""
+
+    def init(self: BaseException, message: str) -> None:
+        BaseException.__init__(self, message)
+        self.rank, self.type_name = rank, name  # type: ignore[attr-defined]
+
+    for bases in ((PeerError, cls), (cls,)):
+        with contextlib.suppress(Exception):
+            sub = type(f"{cls.__name__}OnAnotherRank", bases, {"__init__": init})
+            sub.__str__ = BaseException.__str__  # type: ignore[method-assign,assignment]
+            error = sub(text)
+            if _text(error) == text:
+                return error  # type: ignore[no-any-return]
+    return None
+
+
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:
+        return ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -512,8 +512,11 @@ def test_a_peer_error_keeps_its_type_or_says_which_it_was() -> None:
     assert type(error) is OSError
     assert str(error) == "rank 1 failed in load() with OSError: disk gone"
     error = _rebuilt(1, "load()", pickle.dumps(NeedsTwo), "NeedsTwo", "x")
+    assert isinstance(error, NeedsTwo), "except NeedsTwo still catches it"
     assert isinstance(error, PeerError) and error.rank == 1 and error.type_name == "NeedsTwo"
     assert "rank 1 failed in load() with NeedsTwo: x; see rank 1's traceback" in str(error)
+    error = _rebuilt(1, "load()", None, "Local", "y")  # a class that did not pickle
+    assert type(error) is PeerError and "with Local: y" in str(error)
 
 
 # The README's words for what the tests above check; each phrase must stay in its section.
