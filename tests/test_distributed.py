@@ -333,7 +333,7 @@ def test_different_models_across_ranks_raise_on_every_rank(decide: Launch) -> No
 def test_different_arguments_across_ranks_raise_on_every_rank(decide: Launch) -> None:
     for r in decide.case("different_strategy_on_rank1"):
         assert r["type"] == "ValueError", r
-        assert "disagree" in r["message"], r
+        assert "ranks disagree with rank 0 on strategy (ranks [1])" in r["message"], r
         assert r["untouched"]
 
 

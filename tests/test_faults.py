@@ -174,13 +174,24 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_a_damaged_shard_is_an_error_naming_the_file_and_nothing_changes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["three flipped bytes", "truncated shard", "truncated metadata"])
+def test_a_damaged_file_is_an_error_naming_it_and_nothing_changes(
+    tmp_path: Path, damage: str
+) -> None:
+    """Before: wrong values loaded silently (flipped bytes), or UnpicklingError / EOFError and
+    torch's advice to retry with weights_only=False (truncated files)."""
     model, optimizer = trained(0)
     autoshard.save(tmp_path / "ck", model, optimizer)
-    shard = next((tmp_path / "ck").glob("*.distcp"))
+    if damage == "truncated metadata":
+        shard = tmp_path / "ck" / ".metadata"
+    else:
+        shard = next((tmp_path / "ck").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
-    for offset in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):  # three flipped bytes
-        data[offset] ^= 0xFF
+    if damage == "three flipped bytes":
+        for offset in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
+            data[offset] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
     shard.write_bytes(bytes(data))
     other, other_optimizer = trained(1)
     before = values(other, other_optimizer)
