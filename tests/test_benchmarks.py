@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from _dist import REPO, run_torchrun
+from _dist import REPO, SLOW_MACHINE, run_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STRATEGIES = {"ddp", "shard_grad_op", "full_shard", "auto"}
 BUDGETS = ["generous", "no_zero2"]
-# About 50 s on 2 cores; the limit turns a hang into a failure.
-TIMEOUT_S = 240
+# About 50 s on 2 idle cores; the limit turns a hang into a failure (see _dist.SLOW_MACHINE).
+TIMEOUT_S = 90 * SLOW_MACHINE
 
 RUN_FIELDS = {
     "model",

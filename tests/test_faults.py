@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import Launch, launch
+from _dist import TIMEOUT_S, Launch, launch
 from torch import nn
 
 import autoshard
@@ -39,7 +39,7 @@ PROMPT_S = 15.0
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     out = Path(tmp_path_factory.mktemp("faults"))
-    return launch("faults", out, timeout=240, launcher=None)
+    return launch("faults", out, timeout=TIMEOUT_S, launcher=None)
 
 
 def case(run: Launch, name: str, ranks: tuple[int, ...] = (0, 1)) -> list[Any]:
@@ -126,7 +126,8 @@ def test_a_stalled_peer_in_the_trial_step_is_named_within_the_timeout(faults: La
     assert rank0["type"] == "PeerTimeout", rank0
     assert "rank(s) [1] did not answer within 4 s at prepare()'s trial step" in rank0["message"]
     assert "autoshard.set_agreement_timeout(seconds)" in rank0["message"]
-    assert rank0["seconds"] < 10.0 - 1.0, "rank 0 waited for the stalled rank"
+    # rank 1 slept until rank 0 had raised: rank 0 did not wait for it
+    assert rank1["rank0_had_given_up"], rank1
     assert rank1["type"] == "PeerTimeout", rank1
     assert "rank(s) [0] stopped waiting for this rank (rank 1)" in rank1["message"], rank1
     assert rank0["restored"] and rank1["restored"]

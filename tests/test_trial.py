@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import Launch, launch
+from _dist import TIMEOUT_S, Launch, launch
 
 pytestmark = pytest.mark.dist
 
@@ -35,7 +35,7 @@ RTOL_FP32 = 1e-4
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     # ~30 prepare() calls, each simulating its strategies: more than the default allowance
-    return launch("trial", Path(tmp_path_factory.mktemp("trial")), timeout=360)
+    return launch("trial", Path(tmp_path_factory.mktemp("trial")), timeout=2 * TIMEOUT_S)
 
 
 def test_trial_launch_finished_cleanly(trial: Launch) -> None:

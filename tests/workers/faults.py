@@ -31,7 +31,9 @@ import autoshard._checkpoint as checkpoint_module
 OUT = Path(os.environ.get("FAULTS_OUT", "."))
 TIMEOUT_S = 30.0  # every agreement of this worker: a hang fails in seconds, not minutes
 STALL_TIMEOUT_S = 4.0
-STALL_S = 10.0
+# The stalled rank sleeps until rank 0 has given up on it (or this long): rank 0 raising while its
+# peer still sleeps is the proof that it did not wait, whatever the machine's speed.
+STALL_MAX_S = 300.0
 KILLED_TIMEOUT_S = 8.0  # the ranks' start of prepare() may differ by seconds on a busy machine
 
 cases = Cases()
@@ -237,7 +239,16 @@ def sleep_or_die(action: Callable[[], None]) -> Callable[..., None]:
 @cases.case
 def stalled_peer_in_trial() -> dict[str, Any]:
     model, optimizer = build(batchnorm=True)
-    model.blocks[1].register_forward_pre_hook(sleep_or_die(lambda: time.sleep(STALL_S)))
+    gave_up = OUT / "stalled_peer_rank0_gave_up"
+    woke: dict[str, bool] = {}
+
+    def stall() -> None:
+        deadline = time.monotonic() + STALL_MAX_S
+        while not gave_up.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        woke["rank0_had_given_up"] = gave_up.exists()
+
+    model.blocks[1].register_forward_pre_hook(sleep_or_die(stall))
     before = state_digest(model, optimizer)
     autoshard.set_agreement_timeout(STALL_TIMEOUT_S)
     try:
@@ -246,6 +257,9 @@ def stalled_peer_in_trial() -> dict[str, Any]:
         )
     finally:
         autoshard.set_agreement_timeout(TIMEOUT_S)
+        if rank() == 0:
+            gave_up.touch()
+    result.update(woke)
     result["restored"] = state_digest(model, optimizer) == before
     torch.distributed.barrier()  # rank 1 woke late: start the next case together
     return result
