@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import math
 import os
 import sys
@@ -25,6 +26,7 @@ from torch import nn
 import autoshard
 from autoshard._strategy import Strategy
 from autoshard._units import parse_bytes
+from autoshard._validate import parse_strategy
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,13 @@ def plan_example() -> tuple[GPT, torch.optim.Optimizer, tuple[torch.Tensor, torc
     """
     model = GPT(GPTConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    return model, optimizer, MarkovChainData(model.config.vocab_size, seed=0).batch(0, 8, 64, 0, 1)
+    # The data is drawn on the CPU even when `autoshard plan` builds the model on the meta
+    # device (the Markov chain's sampling reads values, which meta tensors have not), then moved
+    # to the model's device: a meta model is traced with a meta batch.
+    with torch.device("cpu"):
+        x, y = MarkovChainData(model.config.vocab_size, seed=0).batch(0, 8, 64, 0, 1)
+    device = model.lm_head.weight.device
+    return model, optimizer, (x.to(device), y.to(device))
 
 
 def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
@@ -198,6 +206,14 @@ def _ac_arg(text: str) -> str | int:
     return value
 
 
+def _strategy_arg(text: str) -> str:
+    try:  # the library's own check, so that `--strategy fsdp` gets its "did you mean"
+        parse_strategy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.lower()
+
+
 def _size_arg(text: str) -> int:
     # parsed here, with the library's own rules, so a typo fails before torchrun starts ranks
     try:
@@ -209,7 +225,9 @@ def _size_arg(text: str) -> int:
 def add_decision_options(parser: argparse.ArgumentParser) -> None:
     """Options that steer autoshard's choice; `autoshard demo` and `autoshard plan` share them."""
     strategies = ["auto", *(s.value for s in Strategy)]
-    parser.add_argument("--strategy", default="auto", choices=strategies)
+    parser.add_argument(
+        "--strategy", default="auto", type=_strategy_arg, metavar="{" + ",".join(strategies) + "}"
+    )
     parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
     parser.add_argument(
         "--activation-checkpointing",
@@ -328,21 +346,44 @@ def _train(
     return losses, times
 
 
+# Set by `autoshard demo` to a file where rank 0 writes the demo's exit status. The ranks then
+# exit 0, so that torchrun, which prints a multi-screen ChildFailedError for any rank that exits
+# non-zero, stays quiet about an answer the demo has already printed (nothing fits, say).
+STATUS_FILE_ENV = "AUTOSHARD_DEMO_STATUS_FILE"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train the demo model under `autoshard.prepare`; 0 if the loss went down, else 1."""
+    """Train the demo model under `autoshard.prepare`; 0 if the loss went down, 1 if not, 2 if
+    nothing fits the memory."""
     parser = build_parser()
     args = parser.parse_args(argv)
     rank, world = _env_rank_world()
+    # prepare says what it is doing, and then the plan, through the "autoshard" logger (rank 0)
+    logging.basicConfig(level=logging.INFO, format="autoshard: %(message)s", stream=sys.stdout)
     if args.batch_size % world:
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {world} ranks")
-    losses, times, optimum = _run(args, rank, world)
+    try:
+        losses, times, optimum = _run(args, rank, world)
+        status = None
+    except autoshard.DoesNotFit as exc:  # an answer, not a crash: said once, from rank 0
+        if rank == 0:
+            print(f"autoshard demo: {exc}", file=sys.stderr, flush=True)
+        status = 2
     # Destroy the process group only once the wrapped model is gone (it died with _run's frame;
     # collect() breaks its reference cycles). With torch 2.13 + gloo, destroying the group while a
     # DistributedDataParallel still held it made about 1 exit in 10 abort or hang.
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return _summarise(losses, times, optimum, rank)
+    if status is None:
+        status = _summarise(losses, times, optimum, rank)
+    status_file = os.environ.get(STATUS_FILE_ENV)
+    if status_file is None:
+        return status
+    if rank == 0:
+        with open(status_file, "w") as f:
+            f.write(str(status))
+    return 0
 
 
 def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], list[float], float]:
@@ -358,6 +399,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], 
     data = MarkovChainData(cfg.vocab_size, seed=args.seed)
     example = tuple(t.to(device) for t in data.batch(0, args.batch_size, args.seq_len, rank, world))
 
+    if rank == 0:
+        print(
+            f"autoshard demo: GPT {n_params / 1e6:.2f}M params, {cfg.n_layer} blocks, "
+            f"{world} rank(s) on {device.type}, global batch {args.batch_size} x {args.seq_len}",
+            flush=True,
+        )
     prepared = autoshard.prepare(
         model,
         optimizer,
@@ -367,12 +414,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], 
         activation_checkpointing=args.activation_checkpointing,
         memory_limit=args.memory_limit,
     )
-    if rank == 0:
-        print(
-            f"autoshard demo: GPT {n_params / 1e6:.2f}M params, {cfg.n_layer} blocks, "
-            f"{world} rank(s) on {device.type}, global batch {args.batch_size} x {args.seq_len}"
-        )
-        print(prepared.plan, flush=True)
     losses, times = _train(prepared, scheduler, data, args, rank, world, device)
     return losses, times, data.entropy
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 from autoshard._batch import LossFn
 from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard._fake import fake_copy, fake_mesh, fake_optimizer, fake_tensor, unavailable
+from autoshard._quiet import own_runs_quiet
 from autoshard._step import total, tracked_step, with_state
 from autoshard._strategy import Strategy
 from autoshard._workspace import unmeasured_note
@@ -171,6 +172,7 @@ def _run(
 Run = tuple[Strategy, bool]
 
 
+@own_runs_quiet()
 def simulate_all(
     model: nn.Module,
     setup: Setup,
