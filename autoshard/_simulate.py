@@ -119,21 +119,27 @@ def _extend(a: Phase, b: Phase, d1: int, d2: int, depth: int) -> Phase:
 def shallow_depths(model: nn.Module, names: list[str]) -> tuple[int, int, int] | None:
     """The depths to simulate when every block is alike and they are the children of one
     ModuleList/Sequential in order, else None (simulate the whole model)."""
-    if len(names) < _MIN_DEPTH_TO_EXTEND:
-        return None
-    parents = {n.rpartition(".")[0] for n in names}
-    if len(parents) != 1:
-        return None
-    parent = model.get_submodule(parents.pop())
-    if not isinstance(parent, (nn.ModuleList, nn.Sequential)) or len(parent) != len(names):
-        return None
-    blocks = [model.get_submodule(n) for n in names]
-    if [b for b in parent] != blocks:
-        return None
-    signature = _signature(blocks[0])
-    if any(type(b) is not type(blocks[0]) or _signature(b) != signature for b in blocks):
+    if len(names) < _MIN_DEPTH_TO_EXTEND or not _alike(model, names):
         return None
     return _SHALLOW
+
+
+def _alike(model: nn.Module, names: list[str]) -> bool:
+    """The blocks are the children of one ModuleList/Sequential, in order, all of one class and
+    of the same parameter and buffer shapes: a copy with fewer of them runs the same ops."""
+    if not names:
+        return False
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(parents) != 1:
+        return False
+    parent = model.get_submodule(parents.pop())
+    if not isinstance(parent, (nn.ModuleList, nn.Sequential)) or len(parent) != len(names):
+        return False
+    blocks = [model.get_submodule(n) for n in names]
+    if [b for b in parent] != blocks:
+        return False
+    signature = _signature(blocks[0])
+    return all(type(b) is type(blocks[0]) and _signature(b) == signature for b in blocks)
 
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
@@ -160,8 +166,8 @@ def _warm_up(
     (inside a job, where the runs are shared out); measured: 2.58 MiB."""
     if not sharded:
         return
-    depths = shallow_depths(model, setup.block_names)
-    depth = depths[0] if depths is not None else len(setup.block_names)
+    # one block runs the same ops on the same shapes as any number of alike ones
+    depth = 1 if _alike(model, setup.block_names) else len(setup.block_names)
     try:
         _run(model, setup, sharded[0], mesh, shard, depth)
     except Exception:  # noqa: BLE001 - the measured run reports it
