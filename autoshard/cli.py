@@ -27,7 +27,13 @@ from torch import nn
 import autoshard
 from autoshard import _demo
 from autoshard._batch import batch_to
-from autoshard._demo import _positive_int, _size_arg
+from autoshard._options import (
+    _positive_int,
+    _size_arg,
+    add_decision_options,
+    add_options,
+    options_to_argv,
+)
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -62,7 +68,7 @@ def _add_demo_parser(sub: Any) -> None:
         default=None,
         help="processes to launch (default: number of CUDA GPUs, else 2 on CPU)",
     )
-    _demo.add_options(demo)
+    add_options(demo)
     demo.set_defaults(run=_run_demo, subparser=demo)
 
 
@@ -127,7 +133,7 @@ def _add_plan_parser(sub: Any) -> None:
         action="store_true",
         help="print the plan as JSON (Plan.to_dict()) instead of the table",
     )
-    _demo.add_decision_options(plan)
+    add_decision_options(plan)
     plan.set_defaults(run=_run_plan, subparser=plan)
 
 
@@ -140,7 +146,7 @@ def _default_nproc() -> int:
 
 
 def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    demo_argv = _demo.options_to_argv(args)
+    demo_argv = options_to_argv(args)
     if _inside_torchrun():
         if args.nproc is not None and os.environ.get("RANK", "0") == "0":
             print(
