@@ -277,7 +277,8 @@ def _decide_everywhere(
         world.world_size, world.distributed, inputs.num_nodes, world.device.type
     )
     inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
-    _progress(world, f"simulating {', '.join(map(str, strategies))} on fake tensors")
+    if world.distributed:  # one process: the simulation says so, run by run
+        _progress(world, f"simulating {', '.join(map(str, strategies))} on fake tensors")
     inputs = with_simulation(
         inputs,
         model,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _dist import REPO
-from test_readme import run_command
+from _dist import REPO, run_tree
+from test_readme import _free_port, run_command
 from torch import nn
 
 import autoshard
@@ -139,3 +142,52 @@ def test_cli_plan_json_prints_plan_to_dict(capsys: pytest.CaptureFixture[str]) -
     assert set(d) == PLAN_KEYS
     for key in ("strategy", "activation_checkpointing", "estimated_peak_bytes", "chosen"):
         assert d[key] == expected[key], key
+
+
+TEARDOWN_SCRIPT = """
+import atexit, torch, torch.distributed as dist
+from torch import nn
+import autoshard
+
+# registered before prepare's hook, so it runs after it (atexit runs last-in, first-out)
+atexit.register(lambda: print("group destroyed at exit:", not dist.is_initialized()))
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer, plan = autoshard.prepare(model, optimizer, torch.randn(4, 8), strategy="ddp")
+print("initialised by prepare:", dist.is_initialized())
+"""
+
+
+def test_prepare_destroys_the_group_it_created_at_exit(tmp_path: Path) -> None:
+    # what torchrun sets, for one rank: prepare creates the gloo group, and no script ritual
+    # (del model; gc.collect(); destroy_process_group()) is needed to leave cleanly
+    script = tmp_path / "one_rank.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    env = dict(
+        os.environ,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        PYTHONPATH=str(REPO),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
+    assert returncode == 0, output
+    assert "initialised by prepare: True" in output, output
+    assert "group destroyed at exit: True" in output, output
+
+
+def test_prepare_says_what_it_is_doing(caplog: pytest.LogCaptureFixture) -> None:
+    model, optimizer, batch = tiny()
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        autoshard.prepare(model, optimizer, batch, mixed_precision="no")
+    said = [r.getMessage() for r in caplog.records if r.name == "autoshard"]
+    assert said[0] == "tracing one step of the example batch for its activations", said
+    assert said[1] == "simulating LOCAL at 1 rank(s) on fake tensors", said
+    assert said[2] == (
+        "chose LOCAL with 0/0 blocks checkpointed; wrapping the model; running the trial step"
+    )
+    assert said[-1].lstrip().startswith("autoshard plan: LOCAL"), said

@@ -109,6 +109,7 @@ NOT_RUN = {
         "a synopsis"
     ),
     "python -m autoshard ...": "a synopsis",
+    "autoshard demo --memory-limit 4MiB": "exits 2 by design; tests/test_cli.py runs it",
     "autoshard plan ... --json": "a synopsis; tests/test_cli.py runs `autoshard plan --json`",
     "accelerate launch --cpu --num_processes 2": "quoted as what not to do",
     "torchrun --nproc-per-node 2": "a launcher named in prose, with the script named beside it",
