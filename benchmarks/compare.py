@@ -142,24 +142,20 @@ def trial_seconds(plan: autoshard.Plan) -> float | None:
     return sum(found) if found else None
 
 
+_PLAN_FIELDS = (
+    "strategy",
+    "activation_checkpointing",
+    "num_blocks",
+    "mixed_precision",
+    "estimated_peak_bytes",
+    "measured_peak_bytes",
+    "attempts",
+)
+
+
 def plan_fields(plan: autoshard.Plan) -> dict[str, Any]:
-    return {
-        "strategy": plan.strategy.value,
-        "activation_checkpointing": plan.activation_checkpointing,
-        "num_blocks": plan.num_blocks,
-        "mixed_precision": plan.mixed_precision,
-        "estimated_peak_bytes": plan.estimated_peak_bytes,
-        "measured_peak_bytes": plan.measured_peak_bytes,
-        "attempts": [
-            {
-                "strategy": a.strategy.value,
-                "activation_checkpointing": a.activation_checkpointing,
-                "outcome": a.outcome,
-                "measured_peak_bytes": a.measured_peak_bytes,
-            }
-            for a in plan.attempts
-        ],
-    }
+    decision = plan.to_dict()
+    return {key: decision[key] for key in _PLAN_FIELDS}
 
 
 def run_one(
