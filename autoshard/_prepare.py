@@ -179,7 +179,7 @@ def prepare(
         decision.plan, result.chosen, result.attempts, result.measured_peak, result.notes
     )
     if world.rank == 0:
-        logger.info("\n%s", final)
+        logger.info("prepared:\n%s", final)
     return Prepared(wrapping.model, optimizer, final, wrapping.scaler)
 
 

@@ -190,4 +190,4 @@ def test_prepare_says_what_it_is_doing(caplog: pytest.LogCaptureFixture) -> None
     assert said[2] == (
         "chose LOCAL with 0/0 blocks checkpointed; wrapping the model; running the trial step"
     )
-    assert said[-1].lstrip().startswith("autoshard plan: LOCAL"), said
+    assert said[-1].startswith("prepared:\nautoshard plan: LOCAL"), said
