@@ -102,6 +102,9 @@ NOT_RUN = {
     ".venv/bin/ruff check .": "CI's lint step",
     ".venv/bin/mypy autoshard": "CI's type check",
     "bash .ci/run": "CI itself",
+    ".venv/bin/python benchmarks/gpu_suite.py --out gpu-report": (
+        "needs CUDA GPUs; tests/test_gpu_suite.py runs its --dry-run on the CPU"
+    ),
     "autoshard demo [--nproc N] [--steps 40] [--batch-size 16] [--strategy auto] ...": "a synopsis",
     "autoshard plan MODULE:FACTORY [--world-size N] [--nodes M] [--device-memory 80GiB] "
     "[--device cuda|cpu] [--host-memory 64GiB] [--batch-size B] [--seq-len S] "
