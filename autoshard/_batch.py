@@ -3,10 +3,12 @@ by the trial step alike."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -60,6 +62,33 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
             "tensor; pass loss_fn=lambda output, batch: ... to prepare()"
         )
     return sum((t.float().sum() for t in tensors), torch.zeros((), device=tensors[0].device))
+
+
+def forward_error(model: nn.Module, batch: Any, dtype: torch.dtype | None) -> Exception | None:
+    """Run the model's forward once on `batch`, for real, and return what it raised (or None).
+
+    Used where the fake trace failed, to tell a batch that does not fit the model (the real
+    forward fails too) from an operation fake tensors cannot run. Nothing is changed: eval mode
+    (no running statistics move), no autograd graph, the RNG restored afterwards."""
+    training = {module: module.training for module in model.modules()}
+    devices = {p.device for p in model.parameters()}
+    cuda = [d.index or 0 for d in devices if d.type == "cuda"]
+    device_type = next(iter(devices)).type if devices else "cpu"
+    autocast = (
+        torch.autocast(device_type, dtype=dtype)
+        if dtype is not None and device_type != "meta"
+        else contextlib.nullcontext()
+    )
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), autocast:
+            call_model(model, batch)
+    except Exception as error:
+        return error
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+    return None
 
 
 def batch_to(batch: Any, device: torch.device) -> Any:

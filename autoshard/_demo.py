@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import math
 import os
 import sys
@@ -23,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard._strategy import Strategy
-from autoshard._units import parse_bytes
+from autoshard._options import build_parser
 
 
 @dataclass(frozen=True)
@@ -164,100 +164,13 @@ def plan_example() -> tuple[GPT, torch.optim.Optimizer, tuple[torch.Tensor, torc
     """
     model = GPT(GPTConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    return model, optimizer, MarkovChainData(model.config.vocab_size, seed=0).batch(0, 8, 64, 0, 1)
-
-
-def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}{why}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_steps_arg = _int_at_least(2, " (the demo checks that the loss went down)")
-
-
-def _ac_arg(text: str) -> str | int:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be 'auto' or a number of blocks, got {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or >= 0 blocks, got {value}")
-    return value
-
-
-def _size_arg(text: str) -> int:
-    # parsed here, with the library's own rules, so a typo fails before torchrun starts ranks
-    try:
-        return parse_bytes(text, what="size")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_decision_options(parser: argparse.ArgumentParser) -> None:
-    """Options that steer autoshard's choice; `autoshard demo` and `autoshard plan` share them."""
-    strategies = ["auto", *(s.value for s in Strategy)]
-    parser.add_argument("--strategy", default="auto", choices=strategies)
-    parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
-    parser.add_argument(
-        "--activation-checkpointing",
-        type=_ac_arg,
-        default="auto",
-        help="'auto' or the number of blocks to checkpoint",
-    )
-    parser.add_argument(
-        "--memory-limit",
-        type=_size_arg,
-        default=None,
-        help="cap on usable memory per rank: bytes or e.g. '6GiB'",
-    )
-
-
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """Add the demo's options to `parser`; `autoshard demo` validates with these before launch."""
-    parser.add_argument("--steps", type=_steps_arg, default=40)
-    parser.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=16,
-        help="global batch, split across ranks (default: 16)",
-    )
-    parser.add_argument("--seq-len", type=_positive_int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    add_decision_options(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=_positive_int, default=5)
-
-
-def build_parser(prog: str = "python -m autoshard._demo") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    add_options(parser)
-    return parser
-
-
-def options_to_argv(args: argparse.Namespace) -> list[str]:
-    """Turn parsed demo options back into argv, for handing them to the torchrun children.
-
-    Relies on every demo option being spelled `--dest-with-dashes` and taking one value.
-    """
-    argv: list[str] = []
-    for dest in vars(build_parser().parse_args([])):
-        value = getattr(args, dest, None)
-        if value is not None:
-            argv += ["--" + dest.replace("_", "-"), str(value)]
-    return argv
+    # The data is drawn on the CPU even when `autoshard plan` builds the model on the meta
+    # device (the Markov chain's sampling reads values, which meta tensors have not), then moved
+    # to the model's device: a meta model is traced with a meta batch.
+    with torch.device("cpu"):
+        x, y = MarkovChainData(model.config.vocab_size, seed=0).batch(0, 8, 64, 0, 1)
+    device = model.lm_head.weight.device
+    return model, optimizer, (x.to(device), y.to(device))
 
 
 def _env_rank_world() -> tuple[int, int]:
@@ -328,21 +241,44 @@ def _train(
     return losses, times
 
 
+# Set by `autoshard demo` to a file where rank 0 writes the demo's exit status. The ranks then
+# exit 0, so that torchrun, which prints a multi-screen ChildFailedError for any rank that exits
+# non-zero, stays quiet about an answer the demo has already printed (nothing fits, say).
+STATUS_FILE_ENV = "AUTOSHARD_DEMO_STATUS_FILE"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train the demo model under `autoshard.prepare`; 0 if the loss went down, else 1."""
+    """Train the demo model under `autoshard.prepare`; 0 if the loss went down, 1 if not, 2 if
+    nothing fits the memory."""
     parser = build_parser()
     args = parser.parse_args(argv)
     rank, world = _env_rank_world()
+    # prepare says what it is doing, and then the plan, through the "autoshard" logger (rank 0)
+    logging.basicConfig(level=logging.INFO, format="autoshard: %(message)s", stream=sys.stdout)
     if args.batch_size % world:
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {world} ranks")
-    losses, times, optimum = _run(args, rank, world)
+    try:
+        losses, times, optimum = _run(args, rank, world)
+        status = None
+    except autoshard.DoesNotFit as exc:  # an answer, not a crash: said once, from rank 0
+        if rank == 0:
+            print(f"autoshard demo: {exc}", file=sys.stderr, flush=True)
+        status = 2
     # Destroy the process group only once the wrapped model is gone (it died with _run's frame;
     # collect() breaks its reference cycles). With torch 2.13 + gloo, destroying the group while a
     # DistributedDataParallel still held it made about 1 exit in 10 abort or hang.
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return _summarise(losses, times, optimum, rank)
+    if status is None:
+        status = _summarise(losses, times, optimum, rank)
+    status_file = os.environ.get(STATUS_FILE_ENV)
+    if status_file is None:
+        return status
+    if rank == 0:
+        with open(status_file, "w") as f:
+            f.write(str(status))
+    return 0
 
 
 def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], list[float], float]:
@@ -358,6 +294,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], 
     data = MarkovChainData(cfg.vocab_size, seed=args.seed)
     example = tuple(t.to(device) for t in data.batch(0, args.batch_size, args.seq_len, rank, world))
 
+    if rank == 0:
+        print(
+            f"autoshard demo: GPT {n_params / 1e6:.2f}M params, {cfg.n_layer} blocks, "
+            f"{world} rank(s) on {device.type}, global batch {args.batch_size} x {args.seq_len}",
+            flush=True,
+        )
     prepared = autoshard.prepare(
         model,
         optimizer,
@@ -367,12 +309,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[list[float], 
         activation_checkpointing=args.activation_checkpointing,
         memory_limit=args.memory_limit,
     )
-    if rank == 0:
-        print(
-            f"autoshard demo: GPT {n_params / 1e6:.2f}M params, {cfg.n_layer} blocks, "
-            f"{world} rank(s) on {device.type}, global batch {args.batch_size} x {args.seq_len}"
-        )
-        print(prepared.plan, flush=True)
     losses, times = _train(prepared, scheduler, data, args, rank, world, device)
     return losses, times, data.entropy
 

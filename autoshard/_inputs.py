@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from autoshard._apply import DTYPES, shard_module
-from autoshard._batch import LossFn, batch_bytes
+from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
 from autoshard._estimate import Setting, model_stats
 from autoshard._fake import shallow_copy
 from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
 from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
+from autoshard._quiet import own_runs_quiet
 from autoshard._simulate import Setup, combine, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
 from autoshard._trace import ActivationProfile, extended, profile_step
@@ -104,25 +105,14 @@ def measure(
             None, "no example_batch: activations are not estimated and no trial step can run"
         )
     try:
-        if names is not None and shallow_depths(model, names) is not None:
-            depth = shallow_depths(model, names)[0]  # type: ignore[index]
-            shallow, kept = shallow_copy(model, names, depth)
-            traced = [shallow.get_submodule(n) for n in kept]
-            profile = extended(
-                profile_step(shallow, traced, batch, loss_fn, dtype), kept, len(names)
-            )
-        else:
-            profile = profile_step(model, blocks, batch, loss_fn, dtype)
+        with own_runs_quiet():
+            profile = _profile(model, blocks, batch, loss_fn, dtype, names)
     except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
-        return Measured(
-            None,
-            "",
-            f"the example batch could not be run through the model and loss "
-            f"({type(error).__name__}: {error}); check that example_batch is what the model "
-            f"takes (a Mapping as keyword arguments, a tuple/list as positional ones, a tensor "
-            f"as the only one) and that loss_fn(output, batch) returns a scalar",
-        )
+        return Measured(None, "", _not_callable(error))
     except Exception as error:  # data-dependent control flow and the like cannot be traced
+        real = forward_error(model, batch, dtype)
+        if real is not None:  # the real forward fails too: the batch does not fit the model
+            return Measured(None, "", _does_not_fit(real, batch))
         return Measured(
             None,
             f"the example batch could not be traced ({type(error).__name__}: {error}); "
@@ -130,8 +120,48 @@ def measure(
         )
     return Measured(
         profile,
-        f"activations traced from the example batch "
-        f"({human(profile.activation_bytes(0))} saved for backward)",
+        f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
+        f"saved for backward over the whole forward (the table's activ is what is still alive "
+        f"at each candidate's peak moment, less what checkpointing frees)",
+    )
+
+
+def _profile(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+    names: list[str] | None,
+) -> ActivationProfile:
+    depths = shallow_depths(model, names) if names is not None else None
+    if names is None or depths is None:
+        return profile_step(model, blocks, batch, loss_fn, dtype)
+    shallow, kept = shallow_copy(model, names, depths[0])
+    traced = [shallow.get_submodule(n) for n in kept]
+    return extended(profile_step(shallow, traced, batch, loss_fn, dtype), kept, len(names))
+
+
+def _not_callable(error: Exception) -> str:
+    return (
+        f"the example batch could not be run through the model and loss "
+        f"({type(error).__name__}: {error}); check that example_batch is what the model "
+        f"takes (a Mapping as keyword arguments, a tuple/list as positional ones, a tensor "
+        f"as the only one) and that loss_fn(output, batch) returns a scalar"
+    )
+
+
+def _does_not_fit(error: Exception, batch: Any) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    shapes = ", ".join(
+        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(batch)
+    )
+    return (
+        f"example_batch does not fit the model: the model's forward raises on it "
+        f"({type(error).__name__}: {first}); the batch holds tensors of shapes {shapes}: check "
+        f"them against what the model expects (a tuple/list is passed as positional arguments, "
+        f"a Mapping as keyword ones)"
     )
 
 
@@ -257,12 +287,15 @@ def with_simulation(
         dict.fromkeys(SIMULATED_AS.get(s, s) for s in strategies if request.strategy in (None, s))
     )
     # A strategy whose parameters, gradients and optimizer state alone exceed the usable memory
-    # does not fit whatever its activations: not worth simulating (unless forced).
+    # does not fit whatever its activations: not worth simulating (unless forced). The most
+    # frugal one is simulated all the same: when nothing fits, DoesNotFit quotes its estimate,
+    # which must not switch to the formulas' as the limit falls (it did: 10.33 MiB needed at
+    # 8 MiB, 14.10 MiB at 4 MiB, for the same candidate).
     stats = inputs.stats
     state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
     hopeless = [
         s
-        for s in wanted
+        for s in wanted[:-1]
         if request.strategy is None
         and state // (inputs.world_size if s.sharded else 1) > inputs.usable_bytes
     ]

@@ -4,6 +4,7 @@ no module is touched, so the whole decision table is testable in milliseconds.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
 from autoshard._fit import DoesNotFit, shortfall
@@ -95,6 +96,24 @@ class Plan:
     # Trainable parameters that got no gradient in the traced step: DDP must then look for them
     # every step (find_unused_parameters=True), or it fails on the second step.
     unused_parameters: tuple[str, ...] = field(default=())
+
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate this plan trains with (its estimate, term by term)."""
+        return next(
+            c
+            for c in self.candidates
+            if c.strategy == self.strategy
+            and c.activation_checkpointing == self.activation_checkpointing
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON types (`json.dumps(plan.to_dict())`), for scripts that read
+        the decision: bytes per rank as ints, `strategy` as its lower-case value, the chosen
+        candidate under `chosen`. The keys are stable; new ones may be added."""
+        from autoshard._render import plan_dict
+
+        return plan_dict(self)
 
     def __str__(self) -> str:
         from autoshard._render import render

@@ -150,6 +150,13 @@ def prepare(
         model, optimizer, example_batch, loss_fn, world, options, dataloader
     )
     warn_if_unsharded(dataloader, world)
+    plan_ = decision.plan
+    _progress(
+        world,
+        f"chose {plan_.strategy} with {plan_.activation_checkpointing}/{plan_.num_blocks} blocks "
+        f"checkpointed; wrapping the model"
+        + ("; running the trial step" if trial_step and example_batch is not None else ""),
+    )
     grads = kept_grads(model)  # copied aside and cleared; put back whatever happens
     try:
         wrapping = start(
@@ -172,8 +179,15 @@ def prepare(
         decision.plan, result.chosen, result.attempts, result.measured_peak, result.notes
     )
     if world.rank == 0:
-        logger.info("\n%s", final)
+        logger.info("prepared:\n%s", final)
     return Prepared(wrapping.model, optimizer, final, wrapping.scaler)
+
+
+def _progress(world: World, message: str) -> None:
+    """What prepare is doing, once (rank 0), through the "autoshard" logger: INFO, so shown when
+    the script enables it (`logging.basicConfig(level=logging.INFO)`; the demo does)."""
+    if world.rank == 0:
+        logger.info(message)
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,7 @@ def _decide_everywhere(
         names = [name for name, _ in find_blocks(model)]
         blocks = [model.get_submodule(n) for n in names]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
+        _progress(world, "tracing one step of the example batch for its activations")
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
         if measured.user_error is not None:
             raise ValueError(measured.user_error)
@@ -262,6 +277,8 @@ def _decide_everywhere(
         world.world_size, world.distributed, inputs.num_nodes, world.device.type
     )
     inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
+    if world.distributed:  # one process: the simulation says so, run by run
+        _progress(world, f"simulating {', '.join(map(str, strategies))} on fake tensors")
     inputs = with_simulation(
         inputs,
         model,

@@ -1,13 +1,16 @@
-"""The plan as text: the candidate table, the trial's attempts and the reasons."""
+"""The plan as text (the candidate table, the trial's attempts and the reasons) and as a dict of
+plain JSON types."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import textwrap
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from autoshard._units import human, table_unit
 
 if TYPE_CHECKING:
-    from autoshard._plan import Plan
+    from autoshard._plan import Candidate, Plan
 
 
 _HEADER = (
@@ -24,6 +27,33 @@ _HEADER = (
     "step",
     "fits",
 )
+
+
+WIDTH = 100  # the table, its legend and the lines above it fit a terminal of this width
+_ACTIVATIONS = _HEADER.index("activ") - 2  # its index among the byte terms
+
+
+def _cell(value: int, size: int, term: int) -> str:
+    # No activation alive at the peak: it is the optimizer step's, after backward freed them.
+    if term == _ACTIVATIONS and value == 0:
+        return "-"
+    return f"{value / size:.2f}"
+
+
+def _legend(unit: str) -> list[str]:
+    """What the columns mean, under the table, so that it reads without the README."""
+    text = (
+        f"{unit} per rank at each candidate's estimated peak; * = chosen; AC = blocks "
+        f"checkpointed. params, grads, optim: the parameters, gradients and optimizer state this "
+        f"rank holds. activ: activations saved for backward, and the batch, still alive at the "
+        f"peak moment ('-': the peak is the optimizer step, after backward freed them). comm: "
+        f"FSDP2's gathered parameters and gradients awaiting reduce-scatter. temp: temporaries "
+        f"(the optimizer step's, the gradient of a saved activation in backward). other: what no "
+        f"tensor shows (CUDA context, NCCL buffers, allocator margin). peak: their sum; fits: "
+        f"peak plus what is kept free beside it (below) within the usable memory. step: modelled "
+        f"step time, for ranking only."
+    )
+    return textwrap.wrap(text, width=WIDTH, break_on_hyphens=False)
 
 
 def render(plan: Plan) -> str:
@@ -50,7 +80,7 @@ def render(plan: Plan) -> str:
             (
                 ("* " if chosen else "  ") + str(c.strategy),
                 f"{c.activation_checkpointing}/{plan.num_blocks}",
-                *(f"{x / size:.2f}" for x in terms),
+                *(_cell(x, size, i) for i, x in enumerate(terms)),
                 f"{c.step_seconds * 1e3:.1f}ms",
                 "yes" if c.fits else "no",
             )
@@ -71,8 +101,9 @@ def render(plan: Plan) -> str:
         f"usable memory per rank {human(plan.device_memory_bytes)}; estimated peak "
         f"{human(plan.estimated_peak_bytes)}"
         + (f"; measured {human(measured)}" if measured is not None else ""),
-        line(rows[0]) + f"   ({unit} per rank; step time modelled, for ranking only)",
+        line(rows[0]),
         *(line(row) for row in rows[1:]),
+        *_legend(unit),
     ]
     for attempt in plan.attempts:
         peak = attempt.measured_peak_bytes
@@ -80,5 +111,47 @@ def render(plan: Plan) -> str:
             f"trial: {attempt.strategy} AC {attempt.activation_checkpointing}: {attempt.outcome}"
             + (f", measured peak {human(peak)}" if peak is not None else "")
         )
-    lines.extend(f"- {reason}" for reason in plan.reasons)
+    for reason in plan.reasons:
+        lines += textwrap.wrap(f"- {reason}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def candidate_dict(c: Candidate) -> dict[str, Any]:
+    return {
+        "strategy": c.strategy.value,
+        "activation_checkpointing": c.activation_checkpointing,
+        "estimated_peak_bytes": c.estimated_peak_bytes,
+        "footprint": {f.name: getattr(c.footprint, f.name) for f in fields(c.footprint)},
+        "step_seconds": c.step_seconds,
+        "fits": c.fits,
+        "host_bytes": c.host_bytes,
+        "reserve_bytes": c.reserve_bytes,
+    }
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """`Plan.to_dict`: every field, in plain JSON types."""
+    return {
+        "strategy": plan.strategy.value,
+        "mixed_precision": plan.mixed_precision,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "cpu_offload": plan.cpu_offload,
+        "estimated_peak_bytes": plan.estimated_peak_bytes,
+        "measured_peak_bytes": plan.measured_peak_bytes,
+        "device_memory_bytes": plan.device_memory_bytes,
+        "world_size": plan.world_size,
+        "num_blocks": plan.num_blocks,
+        "chosen": candidate_dict(plan.chosen),
+        "candidates": [candidate_dict(c) for c in plan.candidates],
+        "attempts": [
+            {
+                "strategy": a.strategy.value,
+                "activation_checkpointing": a.activation_checkpointing,
+                "outcome": a.outcome,
+                "measured_peak_bytes": a.measured_peak_bytes,
+            }
+            for a in plan.attempts
+        ],
+        "unused_parameters": list(plan.unused_parameters),
+        "reasons": list(plan.reasons),
+    }

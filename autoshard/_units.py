@@ -5,9 +5,16 @@ from __future__ import annotations
 import math
 import re
 
+# One convention, stated in every error: a single-letter unit is binary, as in Slurm's --mem and
+# Docker's --memory ("20G" = 20 GiB), an SI unit with B is decimal ("20GB" = 20 * 10**9 bytes),
+# and KiB/MiB/GiB/TiB are binary.
 _UNITS = {
     "": 1,
     "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -38,8 +45,9 @@ def parse_bytes(value: int | float | str, *, what: str = "memory_limit") -> int:
         if match is None or unit not in _UNITS:
             raise ValueError(
                 f"{what}={value!r} cannot be parsed: write a number of bytes or a number with "
-                f"one of the units {', '.join(u for u in _UNITS if u)} (case-insensitive), "
-                f"e.g. '20GiB'"
+                f"a unit, e.g. '20GiB': KiB, MiB, GiB, TiB and K, M, G, T are binary (20G = 20GiB "
+                f"= 20 * 2**30 bytes), KB, MB, GB, TB decimal (20GB = 20 * 10**9 bytes); "
+                f"case and a space before the unit do not matter"
             )
         amount = float(match.group(1)) * _UNITS[unit]
     else:

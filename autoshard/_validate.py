@@ -3,6 +3,7 @@ problem and the fix."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +152,37 @@ def parse_strategy(value: Any) -> Strategy | None:
     choices = ["auto", *(s.value for s in Strategy)]
     if isinstance(value, str) and value.lower() in choices[1:]:
         return Strategy(value.lower())
-    raise ValueError(f"strategy={value!r} is not one of {', '.join(map(repr, choices))}")
+    guess = suggest_strategy(value)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    raise ValueError(f"strategy={value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+
+
+# What users call the strategies elsewhere (FSDP1, DeepSpeed, accelerate), by what autoshard names.
+_STRATEGY_ALIASES = {
+    "fsdp": "full_shard",
+    "fsdp2": "full_shard",
+    "zero3": "full_shard",
+    "zero-3": "full_shard",
+    "zero_3": "full_shard",
+    "zero2": "shard_grad_op",
+    "zero-2": "shard_grad_op",
+    "zero_2": "shard_grad_op",
+    "hsdp": "hybrid_shard",
+    "offload": "cpu_offload",
+    "none": "local",
+    "no_shard": "ddp",
+}
+
+
+def suggest_strategy(value: Any) -> str | None:
+    """The strategy a mistyped or foreign name most likely means, or None."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower()
+    if text in _STRATEGY_ALIASES:
+        return _STRATEGY_ALIASES[text]
+    close = difflib.get_close_matches(text.replace("-", "_"), [s.value for s in Strategy], n=1)
+    return close[0] if close else None
 
 
 def _parse_checkpointing(value: Any) -> int | None:

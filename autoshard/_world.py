@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoshard._teardown import destroy_at_exit
+
 logger = logging.getLogger("autoshard")
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -108,8 +110,10 @@ def _init_process_group() -> str:
     if _cuda():
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        destroy_at_exit()
         return f"launched by {launcher}: initialised the process group (nccl, cuda:{local_rank})"
     dist.init_process_group("gloo")
+    destroy_at_exit()
     return f"launched by {launcher} with no GPU: initialised the process group (gloo, cpu)"
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,14 @@ from torch import nn
 
 import autoshard
 from autoshard import _demo
-from autoshard._demo import _positive_int, _size_arg
+from autoshard._batch import batch_to
+from autoshard._options import (
+    _positive_int,
+    _size_arg,
+    add_decision_options,
+    add_options,
+    options_to_argv,
+)
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -59,7 +68,7 @@ def _add_demo_parser(sub: Any) -> None:
         default=None,
         help="processes to launch (default: number of CUDA GPUs, else 2 on CPU)",
     )
-    _demo.add_options(demo)
+    add_options(demo)
     demo.set_defaults(run=_run_demo, subparser=demo)
 
 
@@ -119,7 +128,12 @@ def _add_plan_parser(sub: Any) -> None:
         action="store_true",
         help="build the model on this machine's memory instead of the meta device",
     )
-    _demo.add_decision_options(plan)
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON (Plan.to_dict()) instead of the table",
+    )
+    add_decision_options(plan)
     plan.set_defaults(run=_run_plan, subparser=plan)
 
 
@@ -132,7 +146,7 @@ def _default_nproc() -> int:
 
 
 def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    demo_argv = _demo.options_to_argv(args)
+    demo_argv = options_to_argv(args)
     if _inside_torchrun():
         if args.nproc is not None and os.environ.get("RANK", "0") == "0":
             print(
@@ -155,7 +169,16 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         *demo_argv,
     ]
     print("autoshard demo: launching", " ".join(cmd[1:]), flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, minus its banner saying so
+    with tempfile.TemporaryDirectory(prefix="autoshard-demo-") as tmp:
+        status_file = os.path.join(tmp, "status")
+        env[_demo.STATUS_FILE_ENV] = status_file
+        returncode = subprocess.run(cmd, check=False, env=env).returncode
+        if returncode != 0 or not os.path.exists(status_file):
+            return returncode or 1  # a rank crashed: torchrun has said which, and how
+        with open(status_file) as f:
+            return int(f.read())
 
 
 def _call_factory(
@@ -201,7 +224,10 @@ def _load_factory(
     if isinstance(made, nn.Module):
         return made, torch.optim.AdamW(made.parameters()), None
     if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
-        return made
+        model, optimizer, batch = made
+        if any(p.is_meta for p in model.parameters()) and batch is not None:
+            batch = batch_to(batch, torch.device("meta"))  # built on the CPU by the factory
+        return model, optimizer, batch
     parser.error(
         f"{spec}() returned {type(made).__name__}; expected an nn.Module or a tuple "
         "(model, optimizer, example_batch)"
@@ -229,7 +255,7 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # autoshard's user-facing errors: bad sizes, impossible settings
         parser.error(str(exc))
-    print(plan)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
     return 0
 
 

@@ -115,7 +115,15 @@ def run_torchrun(
         CUDA_VISIBLE_DEVICES="",  # this tier is CPU/gloo even on a GPU machine
     )
     env.pop("TORCHELASTIC_RUN_ID", None)
-    proc = _start(command, env)
+    return run_tree(command, REPO, env, timeout)
+
+
+def run_tree(
+    command: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[int, str, bool]:
+    """Run `command` with a hard timeout, killing its whole process tree on expiry. Returns
+    (return code, stdout and stderr together, timed out)."""
+    proc = _start(command, env, cwd)
     timed_out = False
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -126,10 +134,10 @@ def run_torchrun(
     return proc.returncode, output or "", timed_out
 
 
-def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+def _start(command: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.Popen[str]:
     return subprocess.Popen(
         command,
-        cwd=REPO,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -41,6 +41,8 @@ DERIVED_FIELDS = {
     "best_manual",
     "auto_plan",
     "regret",
+    "same_plan",
+    "samples_per_s_ratio",
     "auto_oom",
     "auto_fell_back_in_trial",
     "auto_prepare_s",

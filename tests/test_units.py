@@ -32,6 +32,14 @@ MiB = 2**20
         ("1e3", 1_000),  # exponent notation
         ("0.5GiB", GiB // 2),
         (".5GiB", GiB // 2),
+        # a single-letter unit is binary, as in Slurm's --mem and Docker's --memory
+        ("20G", 20 * GiB),
+        ("20 g", 20 * GiB),
+        ("512M", 512 * MiB),
+        ("64k", 64 * 2**10),
+        ("1T", 2**40),
+        ("20GB", 20 * 10**9),  # ... and a unit spelt with B is decimal
+        ("20 gb", 20 * 10**9),
     ],
 )
 def test_parse_bytes_accepts(value: int | float | str, expected: int) -> None:
@@ -51,6 +59,9 @@ def test_parse_bytes_rejects_unparseable_strings(value: str) -> None:
     message = str(info.value)
     assert "memory_limit" in message  # names the argument
     assert "'20GiB'" in message  # and shows the fix
+    # and states the one convention for the short units
+    assert "K, M, G, T are binary (20G = 20GiB = 20 * 2**30 bytes)" in message
+    assert "KB, MB, GB, TB decimal (20GB = 20 * 10**9 bytes)" in message
 
 
 @pytest.mark.parametrize(

@@ -236,6 +236,28 @@ def test_unknown_strategy() -> None:
         ValueError, "strategy='zero4' is not one of", model, optimizer, batch, strategy="zero4"
     )
     assert "'full_shard'" in message  # lists the choices
+    assert "did you mean" not in message  # nothing is close to zero4
+
+
+@pytest.mark.parametrize(
+    ("value", "meant"),
+    [
+        ("fsdp", "full_shard"),
+        ("FSDP", "full_shard"),
+        ("zero3", "full_shard"),
+        ("zero2", "shard_grad_op"),
+        ("hsdp", "hybrid_shard"),
+        ("full-shard", "full_shard"),
+        ("shard_grad", "shard_grad_op"),
+        ("dpp", "ddp"),
+    ],
+)
+def test_unknown_strategy_suggests_the_closest_choice(value: str, meant: str) -> None:
+    model, optimizer, batch = make()
+    message = refuses(
+        ValueError, f"strategy={value!r} is not one of", model, optimizer, batch, strategy=value
+    )
+    assert message.endswith(f"; did you mean {meant!r}?"), message
 
 
 def test_unknown_mixed_precision() -> None:
@@ -325,3 +347,90 @@ def test_does_not_fit_raises_before_anything_changes() -> None:
     model, optimizer, batch = make()
     message = refuses(autoshard.DoesNotFit, "missing", model, optimizer, batch, memory_limit=1024)
     assert "memory_limit" in message
+
+
+# --- a batch that does not fit the model ---------------------------------------------------------
+
+
+class Normed(nn.Module):
+    """Batch norm (running statistics a forward in train mode would move) and dropout (which
+    draws from the RNG): the check of the batch must leave both alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))])
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.drop(x))
+
+
+def test_a_batch_whose_shapes_do_not_fit_the_model_is_refused_before_wrapping(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    torch.manual_seed(0)
+    model = Normed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats = [b.clone() for b in model.buffers()]
+    message = refuses(
+        ValueError,
+        "example_batch does not fit the model: the model's forward raises on it",
+        model,
+        optimizer,
+        torch.randn(4, 7),
+    )
+    # the op's own error, briefly, and the batch's shapes
+    assert "(RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x7 and 8x8))" in message
+    assert "the batch holds tensors of shapes (4, 7) float32" in message
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    assert model.training and all(m.training for m in model.modules())
+    # one message: not the fake tensors' logged tracebacks before it
+    err = capfd.readouterr().err
+    assert "failed while attempting to run meta" not in err, err
+
+
+def test_a_batch_whose_shapes_do_not_fit_a_meta_model_is_refused_by_plan() -> None:
+    with torch.device("meta"):
+        model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4, 9, device="meta")
+    with pytest.raises(ValueError, match="example_batch does not fit the model") as info:
+        autoshard.plan(model, optimizer, batch, world_size=2, device_memory="1GiB")
+    assert "(4, 9) float32" in str(info.value)
+
+
+def test_the_simulation_leaves_no_rank_prefix_on_later_tracebacks() -> None:
+    # init_process_group, even of the fake group the simulation uses, installs an excepthook
+    # that prefixes every traceback line of the process with "[rank0]:"
+    import sys
+
+    hook = sys.excepthook
+    model, optimizer, batch = make()
+    autoshard.plan(model, optimizer, batch, world_size=2, device_memory="1GiB")
+    assert sys.excepthook is hook
+
+
+class ViewBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)[:, :8]  # a view: FSDP2 warns about a wrapped module returning one
+
+
+def test_the_simulation_keeps_fsdp2s_warnings_about_its_own_wrapping_to_itself() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([ViewBlock(), ViewBlock()]))
+    model.forward = lambda x: model[0][1](model[0][0](x))  # type: ignore[method-assign]
+    optimizer = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(model, optimizer, torch.randn(4, 8), world_size=2)
+    assert any("simulated steps" in r for r in plan.reasons), plan.reasons  # FSDP2 did run
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]

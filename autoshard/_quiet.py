@@ -1,0 +1,42 @@
+"""Silence what torch says about autoshard's own fake runs (the trace of the example batch and the
+simulated steps), and only that: the user never runs those models, so a warning about them is
+noise, printed once per rank. Everything else torch says still reaches the user."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+
+# FSDP2 warns when a wrapped module returns a view; the simulation wraps the user's blocks even
+# when the plan is DDP, so the warning would come on every rank of a job that never runs FSDP2.
+# Under a real FSDP2 wrap (prepare's) it still shows.
+_FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+# FakeTensorMode logs every failed meta kernel with its traceback at ERROR level before raising;
+# autoshard catches the exception and says what it means, once.
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def own_runs_quiet() -> Iterator[None]:
+    """Inside: FSDP2's view warning and fake-tensor error logs are dropped, and the excepthook
+    `init_process_group` installs for a fake group (it prefixes every traceback line of the rest
+    of the process with `[rank0]:`) is undone afterwards."""
+    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
+    drop = _DropAll()
+    hook = sys.excepthook
+    logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_FSDP_VIEW_WARNING, category=UserWarning)
+            yield
+    finally:
+        logger.removeFilter(drop)
+        sys.excepthook = hook
