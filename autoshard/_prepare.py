@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from autoshard._agree import agree
 from autoshard._apply import DTYPES, start
 from autoshard._batch import LossFn
-from autoshard._blocks import find_blocks
+from autoshard._blocks import blocks_and_notes
 from autoshard._consistent import (
     buffer_digests,
     fingerprint,
@@ -206,13 +206,13 @@ def _decide_everywhere(
         request = _validate(model, optimizer, loss_fn, options)
         check_dataloader(dataloader)
         check_batch_device(example_batch, request_trial=bool(options["trial_step"]))
-        names = [name for name, _ in find_blocks(model)]
-        blocks = [model.get_submodule(n) for n in names]
+        found, block_notes = blocks_and_notes(model)
+        names, blocks = [n for n, _ in found], [m for _, m in found]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
         if measured.user_error is not None:
             raise ValueError(measured.user_error)
-        reasons = [*world.reasons, mp_reason, blocks_reason(model, names)]
+        reasons = [*world.reasons, mp_reason, blocks_reason(model, names), *block_notes]
         here.update(request=request, names=names, blocks=blocks, mp=mp, reasons=reasons)
         return RankReport(
             world.rank,
@@ -343,8 +343,8 @@ def plan(
     host = None if host_memory is None else parse_bytes(host_memory, what="host_memory")
     if host is None and target.type == "cuda" and torch.cuda.is_available():
         host = local_memory(world).host_free_bytes
-    names = [name for name, _ in find_blocks(model)]
-    blocks = [model.get_submodule(n) for n in names]
+    found, block_notes = blocks_and_notes(model)
+    names, blocks = [n for n, _ in found], [m for _, m in found]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target, model)
     logger.info("tracing one step of the example batch for its activations")
     measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
@@ -363,7 +363,7 @@ def plan(
         usable,
         target,
         mp,
-        [mp_reason, blocks_reason(model, names), usable_reason, measured.trace_note],
+        [mp_reason, blocks_reason(model, names), *block_notes, usable_reason, measured.trace_note],
     )
     inputs = replace(inputs, host_usable_bytes=host)
     forced_ac = forced_checkpointing(request, len(blocks))
