@@ -15,6 +15,7 @@ without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in pl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,11 +96,39 @@ def apply(
 
 def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
     """Checkpoint the first `count` blocks (those not checkpointed yet)."""
+    for name in wrapping.block_names[wrapping.checkpointed : count]:
+        checkpoint_block(wrapping.module.get_submodule(name))
+    wrapping.checkpointed = max(wrapping.checkpointed, count)
+
+
+def is_transformers_layer(module: nn.Module) -> bool:
+    """A transformers layer that checkpoints itself (`GradientCheckpointingLayer`)."""
+    return any(
+        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers")
+        for cls in type(module).__mro__
+    )
+
+
+def checkpoint_block(module: nn.Module) -> None:
+    """Activation-checkpoint one block. A transformers layer is checkpointed the way transformers
+    does it (`gradient_checkpointing_enable` with `use_reentrant=False`), for this layer only:
+    while training, its checkpointed forward also drops the KV cache, whose update in the
+    recomputation would make it save other tensors than the forward did (T5, Whisper:
+    "CheckpointError: ... A different number of tensors was saved"). Anything else gets torch's
+    composable `checkpoint` (hooks: the module tree and parameter names stay as they are)."""
+    if is_transformers_layer(module):
+        from torch.utils.checkpoint import checkpoint as checkpointed
+
+        setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
+        setattr(  # noqa: B010
+            module,
+            "_gradient_checkpointing_func",
+            functools.partial(checkpointed, use_reentrant=False),
+        )
+        return
     from torch.distributed._composable import checkpoint
 
-    for name in wrapping.block_names[wrapping.checkpointed : count]:
-        checkpoint(wrapping.module.get_submodule(name))
-    wrapping.checkpointed = max(wrapping.checkpointed, count)
+    checkpoint(module)
 
 
 class _Autocast:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._apply import DTYPES, shard_module
+from autoshard._apply import DTYPES, is_transformers_layer, shard_module
 from autoshard._batch import LossFn, batch_bytes
 from autoshard._estimate import Setting, model_stats
 from autoshard._fake import shallow_copy
@@ -230,9 +230,15 @@ def blocks_reason(model: nn.Module, names: list[str]) -> str:
     source = (
         "_no_split_modules"
         if getattr(model, "_no_split_modules", None)
-        else "the largest list of same-class children"
+        else "the repeated classes of its ModuleList/Sequential children"
     )
-    return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+    reason = f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+    if is_transformers_layer(model.get_submodule(names[0])):
+        reason += (
+            "; a checkpointed one uses transformers' own checkpointing (non-reentrant, as "
+            "gradient_checkpointing_enable sets it), which turns its KV cache off while training"
+        )
+    return reason
 
 
 def with_simulation(
@@ -278,6 +284,7 @@ def with_simulation(
     checkpointable = inputs.num_blocks > 0 and request.activation_checkpointing != 0
     simulating = tuple(s for s in wanted if s not in hopeless)
     first = _to_checkpoint(inputs, strategies, request, simulating) if checkpointable else ()
+    crashes: dict[tuple[Strategy, bool], str] = {}
     runs, note = simulate_all(
         model,
         setup,
@@ -287,9 +294,10 @@ def with_simulation(
         shard_module,
         checkpointed=first,
         shared=shared,
+        crashes=crashes,
     )
     notes = [note]
-    inputs = replace(inputs, simulated=combine(runs))
+    inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
     if checkpointable:
         simulated = tuple(s for s, checkpointed in runs if not checkpointed)
         again = tuple(
@@ -305,10 +313,11 @@ def with_simulation(
                 shard_module,
                 checkpointed=again,
                 shared=shared,
+                crashes=crashes,
             )
             runs.update(more)
             notes.append(more_note)
-            inputs = replace(inputs, simulated=combine(runs))
+            inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
     if hopeless:
         names = ", ".join(str(s) for s in hopeless)
         notes.append(
