@@ -15,7 +15,9 @@ without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in pl
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +266,28 @@ def shard_module(
     fully_shard(
         module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
     )
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+    """Gradient sync across ranks on or off for the backward passes inside, as a training loop
+    accumulating gradients does it: DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`
+    (back on afterwards); nothing to do for one process."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if on:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def sync_from_rank0(module: nn.Module, device: torch.device) -> None:

@@ -163,6 +163,7 @@ def plan_inputs(
     device: torch.device,
     mixed_precision: str,
     reasons: list[str],
+    accumulation_steps: int = 1,
 ) -> PlanInputs:
     opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
     stats = model_stats(
@@ -185,7 +186,10 @@ def plan_inputs(
         param_element_bytes=element,
         device_type=device.type,
         cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
+        accumulation_steps=accumulation_steps,
     )
+    if accumulation_steps > 1:
+        reasons = [*reasons, accumulation_reason(accumulation_steps)]
     capability = (
         torch.cuda.get_device_capability(device)
         if device.type == "cuda" and torch.cuda.is_available()
@@ -202,6 +206,15 @@ def plan_inputs(
         num_blocks=len(blocks),
         mixed_precision=mixed_precision,
         reasons=(*reasons, f"optimizer state: {opt_reason}"),
+    )
+
+
+def accumulation_reason(steps: int) -> str:
+    return (
+        f"gradient accumulation over {steps} micro-batches: the gradients of the earlier ones "
+        f"live beside each later one's activations (unsharded under FSDP, whose gradient sync "
+        f"is off until the last), added by formula to each candidate's gradients; the trial "
+        f"step runs {steps} micro-batches per optimizer step"
     )
 
 

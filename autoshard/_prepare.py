@@ -105,6 +105,7 @@ def prepare(
     memory_limit: int | str | None = None,
     trial_step: bool = True,
     dataloader: DataLoader[Any] | None = None,
+    accumulation_steps: int = 1,
 ) -> Prepared:
     """Choose the fastest wrapping that fits, apply it, prove it with one trial step.
 
@@ -126,6 +127,11 @@ def prepare(
             model, optimizer and RNG are restored to what was passed in afterwards.
         dataloader: the training DataLoader, only checked: under several ranks a loader that
             is not sharded (see `shard_dataloader`) draws a warning, once per process.
+        accumulation_steps: micro-batches (each like `example_batch`) whose gradients are
+            summed before each optimizer step: the gradients accumulated so far are planned
+            beside each micro-batch's activations, and the trial step runs that many, with
+            gradient sync off (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`) on all
+            but the last.
 
     Returns:
         `Prepared(model, optimizer, plan)`, with `.scaler` for fp16.
@@ -144,6 +150,7 @@ def prepare(
         activation_checkpointing=activation_checkpointing,
         memory_limit=memory_limit,
         trial_step=trial_step,
+        accumulation_steps=accumulation_steps,
     )
     world = resolve(init=True)
     decision = _decide_everywhere(
@@ -165,6 +172,7 @@ def prepare(
             trial_step,
             decision.plan.device_memory_bytes,
             decision.memory_limit,
+            decision.accumulation_steps,
         )
     finally:
         put_back_grads(model, grads)
@@ -186,6 +194,7 @@ class _Decision:
     block_names: list[str]
     memory_limit: int | None
     find_unused: bool  # some trainable parameters got no gradient on some rank's trace
+    accumulation_steps: int
 
 
 def _decide_everywhere(
@@ -256,6 +265,7 @@ def _decide_everywhere(
         world.device,
         mp,
         [*reasons, usable_reason, measured.trace_note],
+        request.accumulation_steps,
     )
     forced_ac = forced_checkpointing(request, len(blocks))
     strategies = strategies_for(
@@ -280,7 +290,9 @@ def _decide_everywhere(
     chosen = (plan.strategy, plan.activation_checkpointing)
     first = next(c for c in plan.candidates if (c.strategy, c.activation_checkpointing) == chosen)
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    return _Decision(plan, first, rungs, names, request.memory_limit, bool(unused))
+    return _Decision(
+        plan, first, rungs, names, request.memory_limit, bool(unused), request.accumulation_steps
+    )
 
 
 def plan(
@@ -298,6 +310,7 @@ def plan(
     memory_limit: int | str | None = None,
     device: str | None = None,
     host_memory: int | str | None = None,
+    accumulation_steps: int = 1,
 ) -> Plan:
     """Decide only: no process group is needed and nothing is wrapped (what-if planning).
 
@@ -313,6 +326,7 @@ def plan(
             "cuda" plan made without a GPU assumes bf16-capable GPUs (capability 8.0 or newer).
         host_memory: host RAM per rank for CPU offload, bytes or "64GiB" (default: measured on
             this machine when it trains on its own GPUs, else not checked).
+        accumulation_steps: as for `prepare`: micro-batches per optimizer step.
     """
     request = _validate(
         model,
@@ -324,6 +338,7 @@ def plan(
             activation_checkpointing=activation_checkpointing,
             memory_limit=memory_limit,
             trial_step=False,
+            accumulation_steps=accumulation_steps,
         ),
         allow_meta=True,
     )
@@ -364,6 +379,7 @@ def plan(
         target,
         mp,
         [mp_reason, blocks_reason(model, names), *block_notes, usable_reason, measured.trace_note],
+        request.accumulation_steps,
     )
     inputs = replace(inputs, host_usable_bytes=host)
     forced_ac = forced_checkpointing(request, len(blocks))

@@ -236,3 +236,13 @@ def test_zoo_auto_under_a_tight_limit(hf: Launch, name: str) -> None:
         else:  # no blocks: DDP does not fit
             assert r["strategy"] in ("shard_grad_op", "full_shard"), r["candidates"]
     _assert_parity(hf, name, ranks)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_trial_step_accumulates_gradients_as_planned(hf: Launch, strategy: str) -> None:
+    for r in hf.case(f"accumulate_{strategy}"):
+        assert r["real_forwards"] == 2 * 2, "two trial steps (fresh AdamW) of 2 micro-batches"
+        assert r["attempts"] and r["attempts"][-1].startswith("fit"), r["attempts"]
+        assert any(x.startswith("gradient accumulation over 2") for x in r["reasons"])
+        assert r["measured"] <= r["estimated"], (r["measured"], r["estimated"])

@@ -159,6 +159,36 @@ def _zoo_tight(name: str) -> dict[str, Any]:
     return {"limit": limit, "below": below, **_zoo(name, "auto", memory_limit=limit)}
 
 
+def _accumulating(strategy: str) -> dict[str, Any]:
+    """GPT-2 with 2 micro-batches per optimizer step: the trial step runs both (gradient sync
+    off on the first), and the estimate counts the gradients the first leaves alive."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    model = build("gpt2")
+    optimizer = _optimizer(model)
+    batch = shard(global_batches(1)[0], rank())
+    forwards: list[bool] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(not is_fake(kwargs["input_ids"])),
+        with_kwargs=True,
+    )
+    _, _, plan = autoshard.prepare(
+        model, optimizer, batch, strategy=strategy, mixed_precision="no", accumulation_steps=2
+    )
+    handle.remove()
+    return {
+        "real_forwards": sum(forwards),
+        "attempts": [a.outcome for a in plan.attempts],
+        "estimated": plan.estimated_peak_bytes,
+        "measured": plan.measured_peak_bytes,
+        "reasons": list(plan.reasons),
+    }
+
+
+for _strategy in ("ddp", "full_shard"):
+    cases.case(lambda s=_strategy: _accumulating(s), name=f"accumulate_{_strategy}")
+
+
 @cases.case
 def zoo_reference() -> dict[str, Any]:
     """fp32, one process, the whole global batch each step; the same on both ranks."""
