@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from autoshard._agree import agree
 from autoshard._apply import DTYPES, start
-from autoshard._batch import LossFn
+from autoshard._batch import LossFn, batch_for_meta
 from autoshard._blocks import blocks_and_notes
 from autoshard._consistent import (
     buffer_digests,
@@ -361,6 +361,7 @@ def plan(
     found, block_notes = blocks_and_notes(model)
     names, blocks = [n for n, _ in found], [m for _, m in found]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target, model)
+    example_batch, meta_note = batch_for_meta(model, example_batch)
     logger.info("tracing one step of the example batch for its activations")
     measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
     if measured.user_error is not None:
@@ -378,7 +379,14 @@ def plan(
         usable,
         target,
         mp,
-        [mp_reason, blocks_reason(model, names), *block_notes, usable_reason, measured.trace_note],
+        [
+            mp_reason,
+            blocks_reason(model, names),
+            *block_notes,
+            usable_reason,
+            *([meta_note] if meta_note else []),
+            measured.trace_note,
+        ],
         request.accumulation_steps,
     )
     inputs = replace(inputs, host_usable_bytes=host)
