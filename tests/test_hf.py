@@ -4,7 +4,9 @@ configs, nothing downloaded) through autoshard.
 One process: blocks found from `_no_split_modules`, and the FakeTensorMode trace measures exactly
 what a real step saves for backward. Two gloo ranks (tests/workers/hf.py, one launch): every
 strategy wraps them, tied weights stay one parameter in one FSDP unit, the trial step's loss is
-`output.loss`, and the losses match a single-process reference.
+`output.loss`, and the losses match a single-process reference. Issue 12 adds BERT, ALBERT, T5
+and Whisper (and GPT-2 again) with blocks checkpointed and under `auto` with a tight limit, and
+gradient accumulation in the trial step.
 
 Skipped when transformers is not installed; the `test` extra installs it.
 """
@@ -194,6 +196,23 @@ ZOO_BLOCKS = {
 def test_zoo_blocks() -> None:
     for name, expected in ZOO_BLOCKS.items():
         assert [n for n, _ in find_blocks(build(name))] == expected, name
+
+
+def test_vit_embeddings_are_not_a_block() -> None:
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=8,
+    )
+    model = ViTModel(config)
+    assert "ViTEmbeddings" in model._no_split_modules
+    layers = [n for n, m in model.named_modules() if type(m).__name__ == "ViTLayer"]
+    assert len(layers) == 2 and [n for n, _ in find_blocks(model)] == layers
 
 
 def _assert_parity(hf: Launch, name: str, ranks: list[dict]) -> None:
