@@ -42,7 +42,7 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
         plan: from `autoshard.plan` (or `prepare`), made for the job's world size: under
             `accelerate launch`, `autoshard.plan` plans for the launched number of processes.
         model: the unwrapped model the plan was made for; its repeated blocks (found as
-            `prepare` finds them: `_no_split_modules`, else the largest list of same-class
+            `prepare` finds them: `_no_split_modules`, else the repeated classes of lists of
             children) become accelerate's FSDP units, by class name.
 
     Returns:

@@ -15,6 +15,9 @@ without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in pl
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,11 +98,39 @@ def apply(
 
 def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
     """Checkpoint the first `count` blocks (those not checkpointed yet)."""
+    for name in wrapping.block_names[wrapping.checkpointed : count]:
+        checkpoint_block(wrapping.module.get_submodule(name))
+    wrapping.checkpointed = max(wrapping.checkpointed, count)
+
+
+def is_transformers_layer(module: nn.Module) -> bool:
+    """A transformers layer that checkpoints itself (`GradientCheckpointingLayer`)."""
+    return any(
+        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers")
+        for cls in type(module).__mro__
+    )
+
+
+def checkpoint_block(module: nn.Module) -> None:
+    """Activation-checkpoint one block. A transformers layer is checkpointed the way transformers
+    does it (`gradient_checkpointing_enable` with `use_reentrant=False`), for this layer only:
+    while training, its checkpointed forward also drops the KV cache, whose update in the
+    recomputation would make it save other tensors than the forward did (T5, Whisper:
+    "CheckpointError: ... A different number of tensors was saved"). Anything else gets torch's
+    composable `checkpoint` (hooks: the module tree and parameter names stay as they are)."""
+    if is_transformers_layer(module):
+        from torch.utils.checkpoint import checkpoint as checkpointed
+
+        setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
+        setattr(  # noqa: B010
+            module,
+            "_gradient_checkpointing_func",
+            functools.partial(checkpointed, use_reentrant=False),
+        )
+        return
     from torch.distributed._composable import checkpoint
 
-    for name in wrapping.block_names[wrapping.checkpointed : count]:
-        checkpoint(wrapping.module.get_submodule(name))
-    wrapping.checkpointed = max(wrapping.checkpointed, count)
+    checkpoint(module)
 
 
 class _Autocast:
@@ -235,6 +266,28 @@ def shard_module(
     fully_shard(
         module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
     )
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+    """Gradient sync across ranks on or off for the backward passes inside, as a training loop
+    accumulating gradients does it: DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`
+    (back on afterwards); nothing to do for one process."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if on:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def sync_from_rank0(module: nn.Module, device: torch.device) -> None:

@@ -113,3 +113,23 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
         obj = obj.to_tuple()
     tree_map(visit, obj)
     return found
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Every parameter and buffer of `model` is on the meta device (a what-if model)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
+
+
+def batch_for_meta(model: torch.nn.Module, batch: Any) -> tuple[Any, str | None]:
+    """For a model on the meta device, the batch with its tensors on meta too (the trace needs
+    only shapes, and meta parameters cannot meet CPU inputs), and a note saying so; otherwise
+    the batch as it is."""
+    if batch is None or not on_meta(model):
+        return batch, None
+    moved = batch_to(batch, torch.device("meta"))
+    return moved, (
+        "the model is on the meta device: the example batch's tensors were moved there too "
+        "(only their shapes and dtypes count); a tensor inside an object other than a list, "
+        "tuple or dict cannot be moved: build such a batch on meta yourself"
+    )

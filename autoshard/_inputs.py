@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._apply import DTYPES, shard_module
+from autoshard._apply import DTYPES, is_transformers_layer, shard_module
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
 from autoshard._estimate import Setting, model_stats
 from autoshard._fake import shallow_copy
@@ -193,6 +193,7 @@ def plan_inputs(
     device: torch.device,
     mixed_precision: str,
     reasons: list[str],
+    accumulation_steps: int = 1,
 ) -> PlanInputs:
     opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
     stats = model_stats(
@@ -215,7 +216,10 @@ def plan_inputs(
         param_element_bytes=element,
         device_type=device.type,
         cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
+        accumulation_steps=accumulation_steps,
     )
+    if accumulation_steps > 1:
+        reasons = [*reasons, accumulation_reason(accumulation_steps)]
     capability = (
         torch.cuda.get_device_capability(device)
         if device.type == "cuda" and torch.cuda.is_available()
@@ -232,6 +236,15 @@ def plan_inputs(
         num_blocks=len(blocks),
         mixed_precision=mixed_precision,
         reasons=(*reasons, f"optimizer state: {opt_reason}"),
+    )
+
+
+def accumulation_reason(steps: int) -> str:
+    return (
+        f"gradient accumulation over {steps} micro-batches: the gradients of the earlier ones "
+        f"live beside each later one's activations (unsharded under FSDP, whose gradient sync "
+        f"is off until the last), added by formula to each candidate's gradients; the trial "
+        f"step runs {steps} micro-batches per optimizer step"
     )
 
 
@@ -260,9 +273,15 @@ def blocks_reason(model: nn.Module, names: list[str]) -> str:
     source = (
         "_no_split_modules"
         if getattr(model, "_no_split_modules", None)
-        else "the largest list of same-class children"
+        else "the repeated classes of its ModuleList/Sequential children"
     )
-    return f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+    reason = f"{len(names)} repeated blocks ({names[0]} .. {names[-1]}) from {source}"
+    if is_transformers_layer(model.get_submodule(names[0])):
+        reason += (
+            "; a checkpointed one uses transformers' own checkpointing (non-reentrant, as "
+            "gradient_checkpointing_enable sets it), which turns its KV cache off while training"
+        )
+    return reason
 
 
 def with_simulation(
@@ -311,6 +330,7 @@ def with_simulation(
     checkpointable = inputs.num_blocks > 0 and request.activation_checkpointing != 0
     simulating = tuple(s for s in wanted if s not in hopeless)
     first = _to_checkpoint(inputs, strategies, request, simulating) if checkpointable else ()
+    crashes: dict[tuple[Strategy, bool], str] = {}
     runs, note = simulate_all(
         model,
         setup,
@@ -320,9 +340,10 @@ def with_simulation(
         shard_module,
         checkpointed=first,
         shared=shared,
+        crashes=crashes,
     )
     notes = [note]
-    inputs = replace(inputs, simulated=combine(runs))
+    inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
     if checkpointable:
         simulated = tuple(s for s, checkpointed in runs if not checkpointed)
         again = tuple(
@@ -338,10 +359,11 @@ def with_simulation(
                 shard_module,
                 checkpointed=again,
                 shared=shared,
+                crashes=crashes,
             )
             runs.update(more)
             notes.append(more_note)
-            inputs = replace(inputs, simulated=combine(runs))
+            inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
     if hopeless:
         names = ", ".join(str(s) for s in hopeless)
         notes.append(

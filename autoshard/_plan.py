@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autoshard._crash import candidate_crash, not_offered_note
 from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
 from autoshard._fit import DoesNotFit, shortfall
 
@@ -61,6 +62,8 @@ class PlanInputs:
     reasons: tuple[str, ...] = ()
     simulated: dict[Strategy, Simulated] = field(default_factory=dict)  # per strategy, if run
     host_usable_bytes: int | None = None  # host RAM per rank for CPU offload (None: unknown)
+    # runs whose own step failed in simulation (`_crash`): their candidates are not offered
+    crashed: dict[tuple[Strategy, bool], str] = field(default_factory=dict)
 
     @property
     def ranks_per_node(self) -> int:
@@ -227,6 +230,11 @@ def reserve_bytes(inputs: PlanInputs, strategy: Strategy) -> int:
     return round(-(-largest // max(degree, 1)) * element)
 
 
+def crash(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> str | None:
+    """Why this candidate's step would fail (its simulation failed for its own sake), or None."""
+    return candidate_crash(inputs.crashed, SIMULATED_AS.get(strategy, strategy), checkpointed)
+
+
 def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
     """The candidate of `strategy` that checkpoints as few blocks as fit, else the smallest peak.
 
@@ -234,7 +242,7 @@ def frugal_candidate(inputs: PlanInputs, strategy: Strategy) -> Candidate:
     raises the recompute peak above checkpointing most of them), and each estimate is arithmetic.
     """
     counts = range(inputs.num_blocks + 1) if inputs.profile is not None else range(1)
-    options = [candidate(inputs, strategy, k) for k in counts]
+    options = [candidate(inputs, strategy, k) for k in counts if not crash(inputs, strategy, k)]
     return next((c for c in options if c.fits), min(options, key=lambda c: c.estimated_peak_bytes))
 
 
@@ -251,6 +259,7 @@ def all_candidates(
         for s in strategies
         if forced_strategy in (None, s)
         for k in (counts if forced_ac is None else (forced_ac,))
+        if not crash(inputs, s, k)
     ]
 
 
@@ -317,6 +326,15 @@ def decide(
         strategies = (Strategy.LOCAL,)  # one rank: a wrapper only adds work
     shown: list[Candidate] = []
     for strategy in strategies:
+        error = crash(inputs, strategy, forced_ac or 0)
+        if error is not None and forced_strategy is not None:
+            raise RuntimeError(
+                f"strategy {strategy} was forced, but its step with {forced_ac or 0} block(s) "
+                f"checkpointed fails in the planning simulation ({error}); choose another "
+                f"strategy or activation_checkpointing, or 'auto'"
+            )
+        if error is not None:
+            continue
         plain = candidate(inputs, strategy, forced_ac if forced_ac is not None else 0)
         shown.append(plain)
         if forced_ac is None and not plain.fits and inputs.num_blocks:
@@ -324,6 +342,10 @@ def decide(
             if frugal != plain:
                 shown.append(frugal)
     reasons = list(inputs.reasons)
+    if inputs.crashed:
+        reasons.append(not_offered_note(inputs.crashed))
+    if not shown:
+        raise RuntimeError(f"no candidate can train this model: {not_offered_note(inputs.crashed)}")
     if forced_strategy is not None:
         pool = [c for c in shown if c.strategy == forced_strategy]
         chosen = next((c for c in pool if c.fits), pool[-1])

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from autoshard._agree import agree
 from autoshard._apply import DTYPES, start
-from autoshard._batch import LossFn
-from autoshard._blocks import find_blocks
+from autoshard._batch import LossFn, batch_for_meta
+from autoshard._blocks import blocks_and_notes
 from autoshard._consistent import (
     buffer_digests,
     fingerprint,
@@ -105,6 +105,7 @@ def prepare(
     memory_limit: int | str | None = None,
     trial_step: bool = True,
     dataloader: DataLoader[Any] | None = None,
+    accumulation_steps: int = 1,
 ) -> Prepared:
     """Choose the fastest wrapping that fits, apply it, prove it with one trial step.
 
@@ -126,6 +127,11 @@ def prepare(
             model, optimizer and RNG are restored to what was passed in afterwards.
         dataloader: the training DataLoader, only checked: under several ranks a loader that
             is not sharded (see `shard_dataloader`) draws a warning, once per process.
+        accumulation_steps: micro-batches (each like `example_batch`) whose gradients are
+            summed before each optimizer step: the gradients accumulated so far are planned
+            beside each micro-batch's activations, and the trial step runs that many, with
+            gradient sync off (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`) on all
+            but the last.
 
     Returns:
         `Prepared(model, optimizer, plan)`, with `.scaler` for fp16.
@@ -144,6 +150,7 @@ def prepare(
         activation_checkpointing=activation_checkpointing,
         memory_limit=memory_limit,
         trial_step=trial_step,
+        accumulation_steps=accumulation_steps,
     )
     world = resolve(init=True)
     decision = _decide_everywhere(
@@ -172,6 +179,7 @@ def prepare(
             trial_step,
             decision.plan.device_memory_bytes,
             decision.memory_limit,
+            decision.accumulation_steps,
         )
     finally:
         put_back_grads(model, grads)
@@ -200,6 +208,7 @@ class _Decision:
     block_names: list[str]
     memory_limit: int | None
     find_unused: bool  # some trainable parameters got no gradient on some rank's trace
+    accumulation_steps: int
 
 
 def _decide_everywhere(
@@ -220,14 +229,14 @@ def _decide_everywhere(
         request = _validate(model, optimizer, loss_fn, options)
         check_dataloader(dataloader)
         check_batch_device(example_batch, request_trial=bool(options["trial_step"]))
-        names = [name for name, _ in find_blocks(model)]
-        blocks = [model.get_submodule(n) for n in names]
+        found, block_notes = blocks_and_notes(model)
+        names, blocks = [n for n, _ in found], [m for _, m in found]
         mp, mp_reason = resolve_mixed_precision(request.mixed_precision, world.device, model)
         _progress(world, "tracing one step of the example batch for its activations")
         measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
         if measured.user_error is not None:
             raise ValueError(measured.user_error)
-        reasons = [*world.reasons, mp_reason, blocks_reason(model, names)]
+        reasons = [*world.reasons, mp_reason, blocks_reason(model, names), *block_notes]
         here.update(request=request, names=names, blocks=blocks, mp=mp, reasons=reasons)
         return RankReport(
             world.rank,
@@ -271,6 +280,7 @@ def _decide_everywhere(
         world.device,
         mp,
         [*reasons, usable_reason, measured.trace_note],
+        request.accumulation_steps,
     )
     forced_ac = forced_checkpointing(request, len(blocks))
     strategies = strategies_for(
@@ -297,7 +307,9 @@ def _decide_everywhere(
     chosen = (plan.strategy, plan.activation_checkpointing)
     first = next(c for c in plan.candidates if (c.strategy, c.activation_checkpointing) == chosen)
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    return _Decision(plan, first, rungs, names, request.memory_limit, bool(unused))
+    return _Decision(
+        plan, first, rungs, names, request.memory_limit, bool(unused), request.accumulation_steps
+    )
 
 
 def plan(
@@ -315,6 +327,7 @@ def plan(
     memory_limit: int | str | None = None,
     device: str | None = None,
     host_memory: int | str | None = None,
+    accumulation_steps: int = 1,
 ) -> Plan:
     """Decide only: no process group is needed and nothing is wrapped (what-if planning).
 
@@ -330,6 +343,7 @@ def plan(
             "cuda" plan made without a GPU assumes bf16-capable GPUs (capability 8.0 or newer).
         host_memory: host RAM per rank for CPU offload, bytes or "64GiB" (default: measured on
             this machine when it trains on its own GPUs, else not checked).
+        accumulation_steps: as for `prepare`: micro-batches per optimizer step.
     """
     request = _validate(
         model,
@@ -341,6 +355,7 @@ def plan(
             activation_checkpointing=activation_checkpointing,
             memory_limit=memory_limit,
             trial_step=False,
+            accumulation_steps=accumulation_steps,
         ),
         allow_meta=True,
     )
@@ -360,9 +375,10 @@ def plan(
     host = None if host_memory is None else parse_bytes(host_memory, what="host_memory")
     if host is None and target.type == "cuda" and torch.cuda.is_available():
         host = local_memory(world).host_free_bytes
-    names = [name for name, _ in find_blocks(model)]
-    blocks = [model.get_submodule(n) for n in names]
+    found, block_notes = blocks_and_notes(model)
+    names, blocks = [n for n, _ in found], [m for _, m in found]
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target, model)
+    example_batch, meta_note = batch_for_meta(model, example_batch)
     logger.info("tracing one step of the example batch for its activations")
     measured = measure(model, blocks, example_batch, loss_fn, DTYPES[mp], names)
     if measured.user_error is not None:
@@ -380,7 +396,15 @@ def plan(
         usable,
         target,
         mp,
-        [mp_reason, blocks_reason(model, names), usable_reason, measured.trace_note],
+        [
+            mp_reason,
+            blocks_reason(model, names),
+            *block_notes,
+            usable_reason,
+            *([meta_note] if meta_note else []),
+            measured.trace_note,
+        ],
+        request.accumulation_steps,
     )
     inputs = replace(inputs, host_usable_bytes=host)
     forced_ac = forced_checkpointing(request, len(blocks))

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn
+from autoshard._crash import crash_of
 from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard._fake import fake_copy, fake_mesh, fake_optimizer, fake_tensor, unavailable
 from autoshard._quiet import own_runs_quiet
@@ -185,18 +186,33 @@ def _run(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
+    with mode:
+        return tracked_step(fake, optimizer, batch, setup, strategy)
+
+
+def wrapped_copy(
+    model: nn.Module,
+    setup: Setup,
+    strategy: Strategy,
+    mesh: Any,
+    shard: Callable[..., None],
+    depth: int,
+    mode: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
+    `_apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
     fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
     with mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
-            from torch.distributed._composable import checkpoint
+            from autoshard._apply import checkpoint_block
 
             for name in names:
-                checkpoint(fake.get_submodule(name))
+                checkpoint_block(fake.get_submodule(name))
         if strategy.sharded:
             shard(fake, names, mesh, strategy, setup.dtype)
-        optimizer = fake_optimizer(setup.optimizer, model, fake)
-        return tracked_step(fake, optimizer, batch, setup, strategy)
+        return fake, fake_optimizer(setup.optimizer, model, fake), batch
 
 
 # One simulation: a strategy, and whether every block is checkpointed (forward and backward only)
@@ -214,6 +230,7 @@ def simulate_all(
     *,
     checkpointed: tuple[Strategy, ...] = (),
     shared: bool = False,
+    crashes: dict[Run, str] | None = None,
 ) -> tuple[dict[Run, Simulated], str]:
     """Simulate each strategy, and each of `checkpointed` with every block checkpointed; returns
     the simulations by run (as rank 0 sees them: its shard is the largest) and a note for the
@@ -226,7 +243,8 @@ def simulate_all(
     fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate rescales.
     A run whose simulation fails (an optimizer that cannot be rebuilt on fake parameters, an
     operation fake tensors do not support) is left to the analytic estimate (or, checkpointed,
-    to the derivation from the unchecked one), and the note says so.
+    to the derivation from the unchecked one), and the note says so; where the run's own
+    wrapping is what fails (`_crash.crash_of`), it is added to `crashes`.
     """
     reason = unavailable()
     if reason is not None:
@@ -239,6 +257,8 @@ def simulate_all(
     mine = [run for i, run in enumerate(runs) if not shared or i % size == rank]
     results: dict[Run, Simulated] = {}
     failures: dict[Run, str] = {}
+    crashed: dict[Run, str] = {}
+    plain: dict[str, str | None] = {}  # the plain model's fake step, once a run has failed
     started = time.perf_counter()
     try:
         context = fake_mesh(size, rank, setup.device.type)
@@ -260,16 +280,22 @@ def simulate_all(
             except Exception as error:  # noqa: BLE001 - reported in the plan; analytic instead
                 logger.debug("simulating %s failed", strategy, exc_info=True)
                 failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
+                crash = crash_of(model, run_setup, strategy, mesh, shard, plain)
+                if crash is not None:
+                    crashed[strategy, all_blocks] = crash[:300]
                 continue
             results[strategy, all_blocks] = _as_rank0(simulated, stats, strategy, rank)
     finally:
         context.__exit__(None, None, None)
     if shared:
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (results, failures))
-        for theirs, failed in gathered:
+        dist.all_gather_object(gathered, (results, failures, crashed))
+        for theirs, failed, theirs_crashed in gathered:
             results.update(theirs)
             failures.update(failed)
+            crashed.update(theirs_crashed)
+    if crashes is not None:
+        crashes.update(crashed)
     return dict(sorted(results.items())), _note(runs, failures, size, shared, started, setup)
 
 

@@ -30,7 +30,7 @@ from autoshard._agree import (
     fsdp_sync_points,
     settle,
 )
-from autoshard._apply import Wrapping, apply, ddp
+from autoshard._apply import Wrapping, apply, ddp, gradient_sync
 from autoshard._batch import LossFn, batch_to, call_model, compute_loss
 from autoshard._inputs import held_bytes
 from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
@@ -59,14 +59,18 @@ def run_step(
     loss_fn: LossFn | None,
     scaler: Any,
     agreement: Agreement | None = None,
+    accumulation_steps: int = 1,
 ) -> float:
-    """Forward, backward, optimizer step, gradients cleared: one step as a training loop runs it."""
-    output = call_model(model, batch)
-    loss = compute_loss(output, batch, loss_fn)
-    del output
-    value = float(loss.detach())
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    del loss
+    """Forward and backward on `accumulation_steps` micro-batches (gradient sync off on all but
+    the last), optimizer step, gradients cleared: one step as a training loop runs it."""
+    for micro in range(accumulation_steps):
+        with gradient_sync(model, on=micro == accumulation_steps - 1):
+            output = call_model(model, batch)
+            loss = compute_loss(output, batch, loss_fn)
+            del output
+            value = float(loss.detach())
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
     if agreement is not None:
         agreement.check()  # backward done everywhere before any optimizer collective
     if scaler is not None:
@@ -144,6 +148,7 @@ def attempt(
     loss_fn: LossFn | None,
     usable: int,
     limit: int | None,
+    accumulation_steps: int = 1,
 ) -> Outcome:
     """The trial under sync points (two steps for a fresh optimizer); every rank leaves with the
     same codes."""
@@ -168,7 +173,13 @@ def attempt(
                         between_steps()
                     losses.append(
                         run_step(
-                            wrapping.model, optimizer, batch, loss_fn, wrapping.scaler, agreement
+                            wrapping.model,
+                            optimizer,
+                            batch,
+                            loss_fn,
+                            wrapping.scaler,
+                            agreement,
+                            accumulation_steps,
                         )
                     )
             except PeerFailed:
@@ -298,6 +309,7 @@ def prove(
     trial_step: bool,
     usable: int,
     limit: int | None,
+    accumulation_steps: int = 1,
 ) -> TrialResult:
     """Apply `first`; with a trial step, train one step, fall back together on OOM, restore."""
     apply(wrapping, optimizer, first.strategy, first.activation_checkpointing)
@@ -313,7 +325,9 @@ def prove(
     while True:
         snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
         try:
-            outcome = attempt(wrapping, optimizer, batch, loss_fn, usable, limit)
+            outcome = attempt(
+                wrapping, optimizer, batch, loss_fn, usable, limit, accumulation_steps
+            )
         except BaseException:
             # The agreement itself failed (a peer died or stalled): this rank still goes back to
             # what the caller passed in before raising.

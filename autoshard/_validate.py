@@ -25,6 +25,7 @@ class Request:
     mixed_precision: str
     activation_checkpointing: int | None
     memory_limit: int | None
+    accumulation_steps: int = 1  # micro-batches whose gradients are summed before each step
 
 
 def check_model(model: Any, *, allow_meta: bool = False) -> None:
@@ -126,6 +127,7 @@ def check_request(
     memory_limit: Any,
     loss_fn: Any,
     trial_step: Any,
+    accumulation_steps: Any = 1,
 ) -> Request:
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, batch), got {loss_fn!r}")
@@ -141,7 +143,23 @@ def check_request(
         mixed_precision=mixed_precision,
         activation_checkpointing=_parse_checkpointing(activation_checkpointing),
         memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
+        accumulation_steps=_parse_accumulation(accumulation_steps),
     )
+
+
+def _parse_accumulation(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"accumulation_steps must be an int (micro-batches per optimizer step), got "
+            f"{type(value).__name__} {value!r}; write e.g. accumulation_steps=4"
+        )
+    if value < 1:
+        raise ValueError(
+            f"accumulation_steps={value} must be at least 1 (1: no gradient accumulation); "
+            f"write the number of micro-batches whose gradients are summed before each "
+            f"optimizer step"
+        )
+    return value
 
 
 def parse_strategy(value: Any) -> Strategy | None:

@@ -152,20 +152,35 @@ def test_outer_list_wins_over_uniform_containers_inside_its_blocks() -> None:
     assert names(model) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
-def test_module_list_with_mixed_classes_is_not_blocks() -> None:
+def test_alternating_classes_are_all_blocks() -> None:
+    # issue 12: a list whose blocks alternate two classes gave 0 blocks (one FSDP unit)
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList([Layer(), Other(), Layer(), Other()])
 
-    assert names(Model()) == []
+    assert names(Model()) == ["layers.0", "layers.1", "layers.2", "layers.3"]
 
 
-def test_mixed_list_is_skipped_in_favour_of_a_uniform_one() -> None:
+def test_in_a_mixed_list_only_repeated_classes_are_blocks() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mixed = nn.ModuleList([Other(64), Layer(64)])  # larger, but mixed
+            self.layers = nn.ModuleList([Other(), Layer(), Layer(), Layer()])  # a stem first
+
+    assert names(Model()) == ["layers.1", "layers.2", "layers.3"]
+
+
+def test_a_sequential_mlp_of_leaf_layers_is_not_blocks() -> None:
+    mlp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert names(mlp) == []
+
+
+def test_a_mixed_list_without_a_repeated_class_is_skipped() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixed = nn.ModuleList([Other(64), Layer(64)])  # larger, but nothing repeats
             self.layers = nn.ModuleList([Layer(8) for _ in range(2)])
 
     assert names(Model()) == ["layers.0", "layers.1"]
@@ -199,3 +214,92 @@ def test_model_without_repeated_blocks() -> None:
             self.fc2 = nn.Linear(16, 2)
 
     assert find_blocks(Model()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12: blocks that make good units
+
+
+def test_no_split_embeddings_are_not_a_block() -> None:
+    # BERT and ViT name their embeddings module in _no_split_modules; it occurs once: not a block
+    class Embeddings(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.words = nn.Embedding(10, 8)
+
+    class HFModel(nn.Module):
+        _no_split_modules = ["Embeddings", "Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embeddings = Embeddings()
+            self.layers = nn.ModuleList([Layer() for _ in range(2)])
+
+    assert names(HFModel()) == ["layers.0", "layers.1"]
+
+
+def test_encoder_and_decoder_of_nn_transformer_are_all_blocks() -> None:
+    # issue 12: only the decoder layers were found (the larger list)
+    model = nn.Transformer(
+        d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=32
+    )
+    assert names(model) == [
+        "encoder.layers.0",
+        "encoder.layers.1",
+        "decoder.layers.0",
+        "decoder.layers.1",
+        "decoder.layers.2",
+    ]
+
+
+class Stage(nn.Module):
+    """A ConvNeXt-like stage: a downsampling layer, then `depth` blocks of `width` channels."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.downsample = nn.Linear(width, width)
+        self.blocks = nn.ModuleList([Layer(width) for _ in range(depth)])
+
+
+def test_a_stage_holding_most_parameters_is_split_into_its_blocks() -> None:
+    # issue 12: ConvNeXt's 4 stages were the blocks, the last holding 74% of the parameters
+    model = nn.Module()
+    model.stages = nn.ModuleList([Stage(4, 2), Stage(8, 2), Stage(16, 2), Stage(48, 2)])
+    sizes = [sum(p.numel() for p in s.parameters()) for s in model.stages]
+    assert sizes[-1] > sum(sizes) / 2  # the last stage holds most of them
+    assert names(model) == [f"stages.{s}.blocks.{b}" for s in range(4) for b in range(2)]
+
+
+def test_balanced_stages_stay_whole() -> None:
+    model = nn.Module()
+    model.stages = nn.ModuleList([Stage(8, 2) for _ in range(3)])
+    assert names(model) == ["stages.0", "stages.1", "stages.2"]
+
+
+def test_a_block_tied_to_the_root_stays_in_the_root() -> None:
+    # issue 12: BERT's tied decoder weight left the embeddings block shared with the root unit,
+    # which FSDP2 refuses ("... already managed by another FSDP group")
+    from autoshard._blocks import blocks_and_notes
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer() for _ in range(3)])
+    model.head = nn.Linear(8, 8)
+    model.head.weight = model.layers[0].proj.weight
+    blocks, notes = blocks_and_notes(model)
+    assert [n for n, _ in blocks] == ["layers.1", "layers.2"]
+    assert notes == [
+        "layers.0 is not a block: its parameter 'layers.0.proj.weight' is shared with "
+        "'head.weight', so it stays in the root FSDP unit (FSDP2 needs tied parameters in one "
+        "unit)"
+    ]
+
+
+def test_blocks_sharing_a_parameter_both_stay_in_the_root() -> None:
+    from autoshard._blocks import blocks_and_notes
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer() for _ in range(4)])
+    model.layers[3].proj.weight = model.layers[1].proj.weight
+    blocks, notes = blocks_and_notes(model)
+    assert [n for n, _ in blocks] == ["layers.0", "layers.2"]
+    assert [n.split(" ")[0] for n in notes] == ["layers.1", "layers.3"]

@@ -2,6 +2,11 @@
 every strategy: blocks from `_no_split_modules`, tied weights still one parameter after wrapping,
 `output.loss` as the trial step's loss, and loss parity with a single-process reference.
 
+The `zoo_*` cases (issue 12): BERT, ALBERT, T5, Whisper and GPT-2 under each forced strategy
+(DDP and ZeRO-2 with every block checkpointed; GPT-2's are the cases above) and under `auto` with a
+memory limit one byte below what the unchecked FULL_SHARD is estimated to need (below DDP's for
+ALBERT, which has no blocks), each against its own single-process reference.
+
 Usage (from tests/_dist.py): torchrun --nproc-per-node 2 hf.py OUT_DIR
 """
 
@@ -13,7 +18,7 @@ from typing import Any
 
 import torch
 from _common import LR, Cases, is_fsdp, rank, train
-from _hf import MODELS, build, global_batches, shard, tied
+from _hf import MODELS, ZOO, build, global_batches, shard, tied, zoo_batches
 from torch import nn
 
 import autoshard
@@ -23,6 +28,9 @@ STEPS = 4
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "auto")
 
 cases = Cases()
+# The plans of the cases so far, by "<model>_<strategy>": each zoo auto case's tight limit is set
+# from them
+_plans: dict[str, Any] = {}
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -77,6 +85,7 @@ def _prepared(name: str, strategy: str) -> dict[str, Any]:
             model, optimizer, batches[0], strategy=strategy, mixed_precision="no"
         )
     wrapped, returned, plan = prepared
+    _plans[f"{name}_{strategy}"] = plan
     embedding = model.get_input_embeddings().weight
     info: dict[str, Any] = {
         "strategy": plan.strategy.value,
@@ -114,6 +123,96 @@ for _name in MODELS:
             lambda n=_name, s=_strategy: _prepared(n, s),
             name=f"{_name}_{_strategy}",
         )
+
+
+def _zoo(name: str, strategy: str, **options: Any) -> dict[str, Any]:
+    model = build(name)
+    optimizer = _optimizer(model)
+    batches = [shard(b, rank()) for b in zoo_batches(name, STEPS)]
+    wrapped, _, plan = autoshard.prepare(
+        model, optimizer, batches[0], strategy=strategy, mixed_precision="no", **options
+    )
+    _plans[f"{name}_{strategy}"] = plan
+    return {
+        "strategy": plan.strategy.value,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "num_blocks": plan.num_blocks,
+        "reasons": list(plan.reasons),
+        "attempts": [a.outcome for a in plan.attempts],
+        "estimated": plan.estimated_peak_bytes,
+        "measured": plan.measured_peak_bytes,
+        "candidates": [
+            (c.strategy.value, c.activation_checkpointing, c.estimated_peak_bytes)
+            for c in plan.candidates
+        ],
+        "losses": train(wrapped, optimizer, batches),
+    }
+
+
+def _zoo_tight(name: str) -> dict[str, Any]:
+    """auto under a limit no unchecked candidate fits (none but FSDP, for a model without
+    blocks): it must shard and checkpoint."""
+    below = "ddp" if _plans[f"{name}_ddp"].num_blocks == 0 else "full_shard"
+    plan = _plans[f"{name}_{below}"]
+    unchecked = next(c for c in plan.candidates if c.activation_checkpointing == 0)
+    limit = unchecked.estimated_peak_bytes - 1
+    return {"limit": limit, "below": below, **_zoo(name, "auto", memory_limit=limit)}
+
+
+def _accumulating(strategy: str) -> dict[str, Any]:
+    """GPT-2 with 2 micro-batches per optimizer step: the trial step runs both (gradient sync
+    off on the first), and the estimate counts the gradients the first leaves alive."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    model = build("gpt2")
+    optimizer = _optimizer(model)
+    batch = shard(global_batches(1)[0], rank())
+    forwards: list[bool] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(not is_fake(kwargs["input_ids"])),
+        with_kwargs=True,
+    )
+    _, _, plan = autoshard.prepare(
+        model, optimizer, batch, strategy=strategy, mixed_precision="no", accumulation_steps=2
+    )
+    handle.remove()
+    return {
+        "real_forwards": sum(forwards),
+        "attempts": [a.outcome for a in plan.attempts],
+        "estimated": plan.estimated_peak_bytes,
+        "measured": plan.measured_peak_bytes,
+        "reasons": list(plan.reasons),
+    }
+
+
+for _strategy in ("ddp", "full_shard"):
+    cases.case(lambda s=_strategy: _accumulating(s), name=f"accumulate_{_strategy}")
+
+
+@cases.case
+def zoo_reference() -> dict[str, Any]:
+    """fp32, one process, the whole global batch each step; the same on both ranks."""
+    references = {}
+    for name in ZOO:
+        model = build(name)
+        references[name] = train(model, _optimizer(model), zoo_batches(name, STEPS))
+    return references
+
+
+for _name in ZOO:
+    if _name != "gpt2":  # its forced strategies are the gpt2_* cases
+        for _strategy, _checkpointing in (
+            ("ddp", True),
+            ("shard_grad_op", True),
+            ("full_shard", "auto"),
+        ):
+            cases.case(
+                lambda n=_name, s=_strategy, c=_checkpointing: _zoo(
+                    n, s, activation_checkpointing=c
+                ),
+                name=f"zoo_{_name}_{_strategy}",
+            )
+    cases.case(lambda n=_name: _zoo_tight(n), name=f"zoo_{_name}_auto")
 
 
 if __name__ == "__main__":

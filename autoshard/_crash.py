@@ -1,0 +1,94 @@
+"""Candidates that would crash: no plan is offered whose own step fails.
+
+A simulation can fail for two kinds of reasons: the wrapping itself cannot run (FSDP2 refuses a
+parameter shared between two units; a checkpointed block saves other tensors when recomputed),
+which a real step would hit too; or the memory tracker or fake tensors cannot follow an operation,
+which says nothing about the real step. To tell them apart, a failed run is stepped again on fake
+tensors without any tracker, beside one step of the plain model (unwrapped, nothing checkpointed):
+only an error of the run where the plain model steps cleanly is the wrapping's own, and its
+candidates are not offered (`_plan.decide`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from autoshard._strategy import Strategy
+
+if TYPE_CHECKING:
+    from autoshard._simulate import Setup
+
+# One simulation: a strategy, and whether every block is checkpointed (as `_simulate.Run`)
+Run = tuple[Strategy, bool]
+
+
+def fake_step(
+    model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, shard: Callable[..., None]
+) -> str | None:
+    """One training step of `strategy` on a fake copy of `model`, wrapped as `_apply` wraps it,
+    with no memory tracker: None when it runs, else the error it raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoshard._apply import autocast_hooks
+    from autoshard._batch import call_model, compute_loss
+    from autoshard._simulate import wrapped_copy
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    depth = len(setup.block_names)
+    try:
+        fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
+        with mode:
+            if not strategy.sharded and setup.dtype is not None:
+                autocast_hooks(fake, setup.device.type, setup.dtype)
+            compute_loss(call_model(fake, batch), batch, setup.loss_fn).backward()
+            optimizer.step()
+    except Exception as error:  # noqa: BLE001 - what the step raised is the answer
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def crash_of(
+    model: nn.Module,
+    setup: Setup,
+    strategy: Strategy,
+    mesh: Any,
+    shard: Callable[..., None],
+    plain: dict[str, str | None],
+) -> str | None:
+    """The error a failed run's own step raises, where the plain model steps cleanly; else None
+    (the failure was the tracker's or the fake tensors'). `plain` caches the plain model's step
+    across the runs of one simulation round."""
+    error = fake_step(model, setup, strategy, mesh, shard)
+    if error is None:
+        return None
+    if "error" not in plain:
+        plain["error"] = fake_step(
+            model, replace(setup, checkpoint_all=False), Strategy.LOCAL, mesh, shard
+        )
+    return error if plain["error"] is None else None
+
+
+def candidate_crash(
+    crashed: dict[Run, str], simulated_as: Strategy, checkpointed: int
+) -> str | None:
+    """Why the candidate of `simulated_as` with `checkpointed` blocks would crash, or None: its
+    strategy's step fails, or (with any block checkpointed) its checkpointed step does."""
+    error = crashed.get((simulated_as, False))
+    if error is None and checkpointed:
+        error = crashed.get((simulated_as, True))
+    return error
+
+
+def not_offered_note(crashed: dict[Run, str]) -> str:
+    listed = "; ".join(
+        f"{s}{' with blocks checkpointed' if ck else ''} ({error})"
+        for (s, ck), error in sorted(crashed.items())
+    )
+    return (
+        f"not offered, as their step fails in its planning simulation (a real step would "
+        f"fail alike): {listed}"
+    )

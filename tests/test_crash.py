@@ -1,0 +1,100 @@
+"""No plan that crashes (issue 12): a candidate whose own step fails in the planning simulation
+is not offered, while a failure of the memory tracker alone (the plain model's fake step fails
+too) still leaves the candidate to the formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import Strategy
+
+
+class Block(nn.Module):
+    """A residual MLP block; `refuse_fsdp` makes it fail once FSDP2 has wrapped it, and
+    `changes_on_recompute` makes its recomputation save other tensors than its forward did."""
+
+    def __init__(self, refuse_fsdp: bool = False, changes_on_recompute: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.refuse_fsdp = refuse_fsdp
+        self.changes_on_recompute = changes_on_recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.refuse_fsdp and isinstance(self, FSDPModule):
+            raise RuntimeError("this block cannot run sharded")
+        recomputing = torch._C._current_graph_task_id() != -1  # called from within backward
+        if self.changes_on_recompute and not recomputing:
+            x = x * x.sigmoid()  # saves more tensors in the forward than in the recompute
+        return x + torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, **kwargs: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(**kwargs) for _ in range(4)])
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def _plan(model: nn.Module, **kwargs: object) -> autoshard.Plan:
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(512, 64)
+    return autoshard.plan(
+        model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="no", **kwargs
+    )
+
+
+def test_a_strategy_whose_step_fails_is_not_offered() -> None:
+    model = Net(refuse_fsdp=True)
+    roomy = _plan(model)
+    ddp_peak = next(c for c in roomy.candidates if c.strategy == Strategy.DDP).estimated_peak_bytes
+    # Tight enough that DDP needs checkpointing; before issue 12, FSDP (failing its simulation)
+    # was offered by formula and chosen.
+    plan = _plan(model, memory_limit=ddp_peak - 1)
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
+    assert plan.strategy == Strategy.DDP and plan.activation_checkpointing > 0
+    note = next(r for r in plan.reasons if r.startswith("not offered"))
+    assert "SHARD_GRAD_OP (RuntimeError: this block cannot run sharded)" in note, note
+    with pytest.raises(RuntimeError, match="strategy FULL_SHARD was forced, but its step with 0"):
+        _plan(model, strategy="full_shard")
+
+
+def test_checkpointing_whose_recompute_fails_is_not_offered() -> None:
+    model = Net(changes_on_recompute=True)
+    roomy = _plan(model, strategy="ddp")
+    # Only checkpointing could fit this limit; before issue 12 it was offered (its simulation
+    # failed and formulas stood in) and the real step raised a CheckpointError.
+    plan = _plan(model, strategy="ddp", memory_limit=int(0.8 * roomy.estimated_peak_bytes))
+    assert all(c.activation_checkpointing == 0 for c in plan.candidates), plan.candidates
+    note = next(r for r in plan.reasons if r.startswith("not offered"))
+    assert "DDP with blocks checkpointed (CheckpointError" in note, note
+    assert any(r.startswith("warning: DDP is estimated at") for r in plan.reasons), plan.reasons
+    with pytest.raises(autoshard.DoesNotFit):  # auto: nothing that runs fits
+        _plan(model, memory_limit=int(0.8 * roomy.estimated_peak_bytes))
+
+
+def test_a_tracker_failure_alone_still_offers_the_candidate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the plain model's fake step fails as well, the failure is not the candidate's: it
+    is left to the formulas, as before."""
+    import autoshard._simulate
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the tracker cannot follow this")
+
+    monkeypatch.setattr(autoshard._simulate, "simulate", broken)
+    monkeypatch.setattr("autoshard._crash.fake_step", lambda *a, **k: "RuntimeError: fake")
+    plan = _plan(Net(refuse_fsdp=False))
+    assert {c.strategy for c in plan.candidates} >= {Strategy.DDP, Strategy.FULL_SHARD}
+    assert not any(r.startswith("not offered") for r in plan.reasons), plan.reasons
+    assert any("not simulated: DDP (RuntimeError: the tracker" in r for r in plan.reasons)
