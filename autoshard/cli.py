@@ -26,7 +26,6 @@ from torch import nn
 
 import autoshard
 from autoshard import _demo
-from autoshard._batch import batch_to
 from autoshard._options import (
     _positive_int,
     _size_arg,
@@ -224,10 +223,7 @@ def _load_factory(
     if isinstance(made, nn.Module):
         return made, torch.optim.AdamW(made.parameters()), None
     if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
-        model, optimizer, batch = made
-        if any(p.is_meta for p in model.parameters()) and batch is not None:
-            batch = batch_to(batch, torch.device("meta"))  # built on the CPU by the factory
-        return model, optimizer, batch
+        return made  # a CPU batch beside a meta model is moved to meta by plan() itself
     parser.error(
         f"{spec}() returned {type(made).__name__}; expected an nn.Module or a tuple "
         "(model, optimizer, example_batch)"
