@@ -14,6 +14,64 @@ import torch.distributed as dist
 from torch import nn
 
 
+@contextlib.contextmanager
+def wider_fake_kernels() -> Iterator[None]:
+    """Fake-tensor kernels for operations whose fake version refuses what the real one runs,
+    installed only while a trace or simulation runs (DESIGN.md section 3).
+
+    `torch._grouped_mm` (transformers 5 runs mixture-of-experts layers through it): its meta
+    kernel in torch 2.13 requires bf16 inputs (the CUDA kernel's constraint), while the CPU
+    kernel computes fp32 too. Its output is one new tensor of the shape the meta kernel gives
+    (`_create_grouped_mm_output_tensor`), in the input dtype, and it saves nothing else: the
+    fake output here is that tensor, so the trace and the trackers count what a real step holds.
+    """
+    from torch._subclasses import fake_impls
+
+    entry = (_is_grouped_mm, _grouped_mm_any_dtype)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+        _forget_cached(torch.ops.aten._grouped_mm.default)
+
+
+def _forget_cached(func: Any) -> None:
+    """Drop fake-tensor dispatch results of `func` cached while the wider kernel was installed
+    (FakeTensorMode's cache is shared by every mode): outside, torch's own kernel answers
+    again. Private fields; nothing is dropped where they differ."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = getattr(FakeTensorMode, "cache", None)
+    if not isinstance(cache, dict):
+        return
+    for key in [k for k in cache if getattr(k, "key", (None,))[:1] == (func,)]:
+        del cache[key]
+
+
+def _is_grouped_mm(func: Any) -> bool:
+    return func is torch.ops.aten._grouped_mm.default
+
+
+def _grouped_mm_any_dtype(
+    fake_mode: Any,
+    func: Any,
+    mat_a: Any,
+    mat_b: Any,
+    offs: Any = None,
+    bias: Any = None,
+    out_dtype: torch.dtype | None = None,
+) -> Any:
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+        return NotImplemented  # torch's own meta kernel handles it
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    with in_kernel_invocation_manager(fake_mode):
+        out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+    return FakeTensor(fake_mode, out, mat_a.fake_device)
+
+
 def unavailable() -> str | None:
     """Why simulation cannot run with this torch, or None. The trackers are private torch APIs."""
     try:

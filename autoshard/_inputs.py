@@ -3,10 +3,12 @@ gathered into the `PlanInputs` that `_plan.decide` takes."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autoshard._apply import DTYPES, is_transformers_layer, shard_module
@@ -18,10 +20,12 @@ from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, s
 from autoshard._quiet import own_runs_quiet
 from autoshard._simulate import Setup, combine, shallow_depths, simulate_all
 from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile, extended, profile_step
+from autoshard._trace import ActivationProfile, extended, profile_scaled, profile_step
 from autoshard._units import human
 from autoshard._validate import Request
 from autoshard._world import Memory, RankReport
+
+logger = logging.getLogger("autoshard")
 
 
 @dataclass(frozen=True)
@@ -113,11 +117,7 @@ def measure(
         real = forward_error(model, batch, dtype)
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
-        return Measured(
-            None,
-            f"the example batch could not be traced ({type(error).__name__}: {error}); "
-            f"activations not estimated",
-        )
+        return _measured_for_real(model, blocks, batch, loss_fn, dtype, error)
     return Measured(
         profile,
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
@@ -163,6 +163,37 @@ def _does_not_fit(error: Exception, batch: Any) -> str:
         f"them against what the model expects (a tuple/list is passed as positional arguments, "
         f"a Mapping as keyword ones)"
     )
+
+
+def _measured_for_real(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+    error: Exception,
+) -> Measured:
+    """The activations of a batch fake tensors cannot run, measured on real tensors at a few
+    rows and scaled (`profile_scaled`); where that cannot run either (a model on meta), none,
+    and a warning: the estimate then leaves activations out."""
+    failed = f"the example batch could not be traced on fake tensors ({type(error).__name__}: "
+    failed += f"{error})"[:200]
+    on_meta = any(t.device.type == "meta" for t in [*model.parameters(), *tensors_in(batch)])
+    if not on_meta:
+        try:
+            profile, how = profile_scaled(model, blocks, batch, loss_fn, dtype)
+        except Exception as real_error:  # noqa: BLE001 - reported below, as for the fake trace
+            failed += f"; nor on real tensors ({type(real_error).__name__}: {real_error})"[:200]
+        else:
+            return Measured(
+                profile,
+                f"{failed}; its activations were {how} "
+                f"({human(profile.activation_bytes(0))} saved for backward)",
+            )
+    note = f"warning: {failed}; activations not estimated: the estimate leaves them out"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(note)
+    return Measured(None, note)
 
 
 def usable_host_memory(reports: list[RankReport]) -> int | None:

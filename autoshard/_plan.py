@@ -275,6 +275,8 @@ def after_trial(
     if chosen not in candidates:
         candidates = (*candidates, chosen)
     reasons = list(plan.reasons) + list(notes)
+    if peak is not None and peak > chosen.estimated_peak_bytes:
+        reasons.append(above_estimate(peak, chosen.estimated_peak_bytes))
     if len(attempts) > 1:
         reasons.append(
             f"the trial step fell back to {chosen.strategy} with "
@@ -289,6 +291,16 @@ def after_trial(
         candidates=candidates,
         attempts=attempts,
         reasons=tuple(reasons),
+    )
+
+
+def above_estimate(peak: int, estimate: int) -> str:
+    """The reason a trial step that measured more than the estimate adds to the plan."""
+    over = 100 * (peak - estimate) / max(estimate, 1)
+    return (
+        f"warning: the trial step measured {human(peak)} per rank, {over:.1f}% above the "
+        f"estimate of {human(estimate)}: the estimate misses a term (see the reasons above); "
+        f"leave that much more headroom in memory_limit"
     )
 
 

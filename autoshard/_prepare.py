@@ -188,6 +188,9 @@ def prepare(
     )
     if world.rank == 0:
         logger.info("prepared:\n%s", final)
+        for reason in final.reasons:
+            if reason.startswith("warning: the trial step measured"):
+                logger.warning(reason)
     return Prepared(wrapping.model, optimizer, final, wrapping.scaler)
 
 

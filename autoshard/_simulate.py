@@ -40,7 +40,14 @@ from torch.utils._pytree import tree_map
 from autoshard._batch import LossFn
 from autoshard._crash import crash_of
 from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
-from autoshard._fake import fake_copy, fake_mesh, fake_optimizer, fake_tensor, unavailable
+from autoshard._fake import (
+    fake_copy,
+    fake_mesh,
+    fake_optimizer,
+    fake_tensor,
+    unavailable,
+    wider_fake_kernels,
+)
 from autoshard._quiet import own_runs_quiet
 from autoshard._step import total, tracked_step, with_state
 from autoshard._strategy import Strategy
@@ -203,7 +210,7 @@ def wrapped_copy(
     """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
     `_apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
     fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
-    with mode:
+    with wider_fake_kernels(), mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
             from autoshard._apply import checkpoint_block

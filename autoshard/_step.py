@@ -58,11 +58,11 @@ def tracked_step(
     inputs = tensors_in(batch)
     tracker: Any
     if strategy.sharded:
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = frozen_safe(FSDPMemTracker(model, optimizer))
         tracker.track_inputs(tuple(inputs))
         tracker.track_external(optimizer)
     else:
-        tracker = MemTracker()
+        tracker = frozen_safe(MemTracker())
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
     _global_peak_only(tracker)
     # inside the tracker, which so sees the workspace blocks
@@ -123,6 +123,40 @@ def _first_step(model: nn.Module, optimizer: torch.optim.Optimizer, keep_grads: 
             param.grad.zero_()  # type: ignore[union-attr]
     else:
         optimizer.zero_grad(set_to_none=True)
+
+
+def frozen_safe(tracker: Any) -> Any:
+    """`tracker`, made to track models with frozen parameters (LoRA, frozen embeddings).
+
+    torch's MemTracker installs a gradient hook on every parameter of each module it enters,
+    and `register_hook` raises on a tensor that does not require grad ("cannot register a hook
+    on a tensor that doesn't require gradient", DESIGN.md section 3). Here the hooks go on the
+    trainable parameters only: a frozen one gets no gradient to count. Private fields; left as
+    it is where they differ."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    original = getattr(tracker, "_track_module_params_and_buffers", None)
+    handles: Any = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if original is None or not hasattr(handles, "get"):  # a WeakIdKeyDictionary on torch 2.13
+        return tracker
+
+    def count_grad(grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            tracker._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def track(module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        tracked: tuple[int, int] = original(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and handles.get(param) is None:
+                    handles[param] = (
+                        param.register_hook(count_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: count_grad(p.grad)),
+                    )
+        return tracked
+
+    tracker._track_module_params_and_buffers = track
+    return tracker
 
 
 def _global_peak_only(tracker: Any) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
+from autoshard._fake import wider_fake_kernels
 
 logger = logging.getLogger("autoshard")
 
@@ -128,17 +129,36 @@ def profile_step(
     batch: Any,
     loss_fn: LossFn | None,
     autocast_dtype: torch.dtype | None,
+    real: bool = False,
 ) -> ActivationProfile:
-    """Trace one forward and backward of `batch` under FakeTensorMode and measure it."""
+    """Trace one forward and backward of `batch` under FakeTensorMode and measure it.
+
+    With `real`, the step runs on real tensors instead (for a batch that fake tensors cannot
+    run, `profile_scaled`): on detached aliases of the parameters and copies of the buffers, so
+    that neither the model's gradients nor its buffers (BatchNorm statistics) change, and with
+    the random number generators restored after."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = {n: _fake(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
-    state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
-    fake_batch = tree_map(
-        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
-    )
+    mode: Any
+    if real:
+        mode = contextlib.nullcontext()
+        aliases: dict[int, torch.Tensor] = {}
+        state = {
+            n: aliases.setdefault(id(t), t.detach().requires_grad_(t.requires_grad))
+            for n, t in model.named_parameters(remove_duplicate=False)
+        }
+        state.update({n: t.clone() for n, t in model.named_buffers(remove_duplicate=False)})
+        fake_batch = batch
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        state = {n: _fake(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
+        state.update(
+            {n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)}
+        )
+        fake_batch = tree_map(
+            lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
+        )
     existing = {t.untyped_storage()._cdata for t in [*state.values(), *tensors_in(fake_batch)]}
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
@@ -151,7 +171,13 @@ def profile_step(
         else contextlib.nullcontext()
     )
     try:
-        with mode, counter, torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack):
+        with (
+            torch.random.fork_rng(devices=[], enabled=real),
+            wider_fake_kernels(),
+            mode,
+            counter,
+            torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack),
+        ):
             with autocast:
                 args, kwargs = split_batch(fake_batch)
                 output = torch.func.functional_call(model, state, args, kwargs)
@@ -176,6 +202,62 @@ def profile_step(
             for name, param in model.named_parameters()
             if param.requires_grad and state[name].grad is None
         ),
+    )
+
+
+def profile_scaled(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[ActivationProfile, str]:
+    """The profile of `batch` measured on real tensors, for a step fake tensors cannot run (an
+    operation with data-dependent output, say): at one and two rows of the batch, every figure
+    extended linearly to its full rows (activations and FLOPs are a constant plus a per-row
+    term). A batch of at most two rows runs as it is. Returns the profile and how it was made.
+
+    Real memory used: one step's activations at two rows, not at the full batch."""
+    rows = _rows(batch)
+    if rows is None or rows <= 2:
+        return profile_step(model, blocks, batch, loss_fn, autocast_dtype, real=True), (
+            "measured on real tensors"
+        )
+    one, two = (
+        profile_step(model, blocks, _first_rows(batch, rows, n), loss_fn, autocast_dtype, True)
+        for n in (1, 2)
+    )
+
+    def line(a: int, b: int) -> int:
+        return max(0, a + (rows - 1) * (b - a))
+
+    def lines(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(line(x, y) for x, y in zip(a, b, strict=True))
+
+    scaled = replace(
+        two,
+        block_saved_bytes=lines(one.block_saved_bytes, two.block_saved_bytes),
+        block_input_bytes=lines(one.block_input_bytes, two.block_input_bytes),
+        before_saved_bytes=line(one.before_saved_bytes, two.before_saved_bytes),
+        after_saved_bytes=line(one.after_saved_bytes, two.after_saved_bytes),
+        largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
+        block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
+        total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
+    )
+    return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
+
+
+def _rows(batch: Any) -> int | None:
+    """The batch's rows: the leading size of its first tensor (None: no tensor)."""
+    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
+    return tensors[0].shape[0] if tensors else None
+
+
+def _first_rows(batch: Any, rows: int, n: int) -> Any:
+    """`batch` with every tensor of `rows` leading rows cut to its first `n`."""
+    return tree_map(
+        lambda x: x[:n] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows else x,
+        batch,
     )
 
 
