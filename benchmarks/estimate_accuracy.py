@@ -57,11 +57,15 @@ import autoshard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import zoo  # noqa: E402
+import zoo_external  # noqa: E402
 from _live_bytes import AllocatorProfile  # noqa: E402
+
+from autoshard._batch import call_model, tensors_in  # noqa: E402
 
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard")
 MEDIAN_TARGET = 0.03
 WORST_TARGET = 0.08
+UNDER_TARGET = -0.03  # no underestimate worse than this
 MEASURED = "estimate_accuracy.measured"
 # Leftover bytes tolerated before a configuration is measured again (a few small blocks remain
 # in most profiles: gloo's and the profiler's own bookkeeping).
@@ -77,7 +81,7 @@ def train_step(prepared: autoshard.Prepared, built: zoo.ZooModel, prof: Allocato
     """One steady-state step, each phase a labelled window (to say where the peak falls)."""
     model, optimizer, _ = prepared
     with prof.window("forward"):
-        loss = built.loss_fn(model(*built.batch), built.batch)
+        loss = built.loss_fn(call_model(model, built.batch), built.batch)
     with prof.window("backward"):
         (loss if prepared.scaler is None else prepared.scaler.scale(loss)).backward()
     with prof.window("optimizer"):
@@ -89,19 +93,21 @@ def train_step(prepared: autoshard.Prepared, built: zoo.ZooModel, prof: Allocato
         optimizer.zero_grad(set_to_none=True)
 
 
-def make_tracker(prepared: autoshard.Prepared, batch: tuple[torch.Tensor, ...]) -> Any:
+def make_tracker(prepared: autoshard.Prepared, batch: Any) -> Any:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
+    from autoshard._step import frozen_safe
+
     model = prepared.model
     if isinstance(model, FSDPModule):
-        fsdp_tracker = FSDPMemTracker(model, prepared.optimizer)
-        fsdp_tracker.track_inputs(batch)
+        fsdp_tracker = frozen_safe(FSDPMemTracker(model, prepared.optimizer))
+        fsdp_tracker.track_inputs(tuple(tensors_in(batch)))
         return fsdp_tracker
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    tracker = MemTracker()
-    tracker.track_external(module, prepared.optimizer, *batch)
+    tracker = frozen_safe(MemTracker())
+    tracker.track_external(module, prepared.optimizer, *tensors_in(batch))
     return tracker
 
 
@@ -151,10 +157,10 @@ def chosen_candidate(plan: autoshard.Plan) -> Any:
     )
 
 
-def state_pointers(prepared: autoshard.Prepared, batch: tuple[torch.Tensor, ...]) -> frozenset[int]:
+def state_pointers(prepared: autoshard.Prepared, batch: Any) -> frozenset[int]:
     """Addresses of the storages the training holds (parameters, FSDP2's local shards, gradients,
     buffers, optimizer state, the batch): the blocks a tracker may keep alive after teardown."""
-    tensors: list[torch.Tensor] = [*prepared.model.buffers(), *batch]
+    tensors: list[torch.Tensor] = [*prepared.model.buffers(), *tensors_in(batch)]
     for param in prepared.model.parameters():
         tensors += [param, param.grad] if param.grad is not None else [param]
     tensors += [v for state in prepared.optimizer.state.values() for v in state.values()]
@@ -167,9 +173,18 @@ def state_pointers(prepared: autoshard.Prepared, batch: tuple[torch.Tensor, ...]
     return frozenset(pointers)
 
 
+def build(name: str, args: argparse.Namespace, device: torch.device) -> zoo.ZooModel:
+    """Zoo model `name` from the zoo `--zoo` names, as this rank feeds it."""
+    registry = zoo_external if args.zoo == "external" else zoo
+    return registry.build(
+        name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device
+    )
+
+
 def plan_figures(plan: autoshard.Plan) -> dict[str, Any]:
     chosen = chosen_candidate(plan)
     return {
+        "reasons": list(plan.reasons),
         "plan": {
             "strategy": plan.strategy.value,
             "mixed_precision": plan.mixed_precision,
@@ -197,27 +212,32 @@ def measure(
         "mixed_precision": mp,
         "activation_checkpointing": ac,
     }
-    built = zoo.build(name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device)
-    autoshard.plan(built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **choice)
+    built = build(name, args, device)
+    # The estimate compared: a plan() made before and outside the profile, as a user makes it.
+    outside = autoshard.plan(
+        built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **choice
+    )
+    out.update(plan_figures(outside))
     del built
     gc.collect()
     with AllocatorProfile() as prof:
-        built = zoo.build(
-            name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device
-        )
+        built = build(name, args, device)
         out["params"] = zoo.parameter_count(built.model)
-        out["per_rank_batch"] = built.batch[0].shape[0]
+        out["per_rank_batch"] = tensors_in(built.batch)[0].shape[0]
         started = time.perf_counter()
         prepared = autoshard.prepare(
             built.model,
             built.optimizer,
             built.batch,
             loss_fn=built.loss_fn,
-            trial_step=False,
+            trial_step=args.trial,
             **choice,
         )
         out["prepare_s"] = time.perf_counter() - started
-        out.update(plan_figures(prepared.plan))
+        # prepare's own plan (made inside the profile) and its trial step's measured peak
+        out["prepare_predicted_bytes"] = prepared.plan.estimated_peak_bytes
+        out["trial_peak_bytes"] = prepared.plan.measured_peak_bytes
+        out["trial_reasons"] = [r for r in prepared.plan.reasons if "trial" in r.lower()]
         for _ in range(args.warmup):
             train_step(prepared, built, prof)
         tracker = make_tracker(prepared, built.batch) if args.tracker else NoTracker()
@@ -305,7 +325,9 @@ def run_config(
     first = ranks[0]
     predicted = [r["predicted_bytes"] for r in ranks]
     allocator = [r["allocator_peak_bytes"] for r in ranks]
+    raw = [r["allocator_raw_peak_bytes"] for r in ranks]
     errors = [(p - a) / a for p, a in zip(predicted, allocator, strict=True)]
+    raw_errors = [(p - a) / a for p, a in zip(predicted, raw, strict=True)]
     worst = max(range(len(ranks)), key=lambda i: abs(errors[i]))
     row.update(
         {
@@ -318,7 +340,12 @@ def run_config(
             "breakdown": first["breakdown"],
             "predicted_bytes": predicted,
             "allocator_peak_bytes": allocator,
-            "allocator_raw_peak_bytes": [r["allocator_raw_peak_bytes"] for r in ranks],
+            "allocator_raw_peak_bytes": raw,
+            "raw_errors": raw_errors,
+            "prepare_predicted_bytes": [r["prepare_predicted_bytes"] for r in ranks],
+            "trial_peak_bytes": [r["trial_peak_bytes"] for r in ranks],
+            "trial_reasons": first["trial_reasons"],
+            "reasons": first["reasons"],
             "tracker_peak_bytes": [r["tracker_peak_bytes"] for r in ranks],
             "tracker_categories": [r["tracker_categories"] for r in ranks],
             "errors": errors,
@@ -346,9 +373,9 @@ def _mib(values: list[int], worst: int) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | world | strategy | mp | AC | predicted MiB | allocator peak MiB | "
-        "tracker MiB | error % | measured peak in |"
+        "raw peak MiB | trial MiB | tracker MiB | error % | raw error % | measured peak in |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         mp = r.get("mixed_precision", r["mixed_precision_requested"])
         ac = (
@@ -358,14 +385,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {mp} | {ac} |"
         if r["error_message"] is not None:
-            lines.append(f"{lead} failed: {r['error_message'][:80]} | | | | |")
+            lines.append(f"{lead} failed: {r['error_message'][:80]} | | | | | | | |")
             continue
         w = r["worst_rank"]
         flag = "" if r["clean"] else " (upper bound)"
+        trial = r["trial_peak_bytes"][w]
         lines.append(
             f"{lead} {_mib(r['predicted_bytes'], w)} | {_mib(r['allocator_peak_bytes'], w)} | "
+            f"{_mib(r['allocator_raw_peak_bytes'], w)} | "
+            f"{'-' if trial is None else common.mib(trial)} | "
             f"{_mib(r['tracker_peak_bytes'], w)} | {100 * r['error']:+.1f}{flag} | "
-            f"{r['peak_phase'][w]} |"
+            f"{100 * r['raw_errors'][w]:+.1f} | {r['peak_phase'][w]} |"
         )
     return "\n".join(lines)
 
@@ -386,9 +416,22 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if worst
             else None
         ),
+        "most_under": min((r["error"] for r in done), default=None),
         "median_ok": median is not None and median <= MEDIAN_TARGET,
         "worst_ok": worst is not None and abs(worst["error"]) <= WORST_TARGET,
+        "under_ok": all(r["error"] >= UNDER_TARGET for r in done),
+        "worst_by_model": worst_by_model(done),
     }
+
+
+def worst_by_model(done: list[dict[str, Any]]) -> dict[str, float]:
+    """Each model's worst signed error (the one of largest magnitude)."""
+    out: dict[str, float] = {}
+    for r in done:
+        if abs(r["error"]) > abs(out.get(r["model"], 0.0)):
+            out[r["model"]] = r["error"]
+        out.setdefault(r["model"], r["error"])
+    return out
 
 
 def summary_lines(s: dict[str, Any]) -> str:
@@ -401,7 +444,11 @@ def summary_lines(s: dict[str, Any]) -> str:
             f"{100 * MEDIAN_TARGET:g}%: {verdict[s['median_ok']]})",
             f"worst |error| {100 * s['worst_abs_error']:.1f}% (target <= {100 * WORST_TARGET:g}%: "
             f"{verdict[s['worst_ok']]}), at {s['worst']}",
+            f"most under {100 * s['most_under']:+.1f}% (target >= {100 * UNDER_TARGET:g}%: "
+            f"{verdict[s['under_ok']]})",
             f"{s['rows']} configurations, {s['failed']} failed",
+            "worst signed error by model: "
+            + ", ".join(f"{m} {100 * e:+.1f}%" for m, e in s["worst_by_model"].items()),
         ]
     )
 
@@ -432,13 +479,30 @@ def report(rows: list[dict[str, Any]], settings: dict[str, Any], path: Path | No
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt,mlp,vit,llama,resnet")
+    p.add_argument(
+        "--zoo",
+        choices=("own", "external"),
+        default="own",
+        help="the project's zoo (benchmarks/zoo.py) or the external one (zoo_external.py)",
+    )
+    p.add_argument("--models", default=None, help="comma-separated (default: the zoo's set)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--mixed-precision", default="no,bf16", help="comma-separated: no, bf16, auto")
     p.add_argument("--ac", default="off,on", help="activation checkpointing: off, on (all blocks)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: per model)")
-    p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (>= 1)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="steps after prepare before the measured ones (0: the first step is measured)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="measured steps (K)")
+    p.add_argument(
+        "--no-trial",
+        dest="trial",
+        action="store_false",
+        help="prepare(trial_step=False): no trial step, no trial peak beside the figures",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--retries",
@@ -459,11 +523,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="without torchrun: launch torchrun once per world size (e.g. 1,2) and merge",
     )
     args = p.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1 (the optimizer state exists after one step)")
+    if args.warmup < 0 or args.steps < 1:
+        p.error("--warmup must be >= 0 and --steps >= 1")
+    known = zoo_external.ENTRIES if args.zoo == "external" else zoo.BUILDERS
+    if args.models is None:
+        args.models = ",".join(known) if args.zoo == "external" else "gpt,mlp,vit,llama,resnet"
     for model in args.models.split(","):
-        if model not in zoo.BUILDERS:
-            p.error(f"unknown model {model!r}; choose from {', '.join(zoo.BUILDERS)}")
+        if model not in known:
+            p.error(f"unknown {args.zoo} zoo model {model!r}; choose from {', '.join(known)}")
     for strategy in args.strategies.split(","):
         if strategy not in (*STRATEGIES, "local"):
             p.error(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}, local")

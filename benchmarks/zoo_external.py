@@ -1,0 +1,548 @@
+"""External model zoo: real model classes nobody in this project wrote, the estimator's
+regression suite (issue 12).
+
+Every entry builds a small model from its library's config class (nothing is downloaded), one
+batch as rank `rank` feeds it, an AdamW over its trainable parameters, and its loss:
+`build(name, per_rank_batch=None, *, rank=0, seed=0, device="cpu")` returns the same
+`zoo.ZooModel(model, optimizer, batch, loss_fn)` as the project's own zoo (`benchmarks/zoo.py`),
+so `benchmarks/estimate_accuracy.py` measures either. Batches are what the model's `forward`
+takes: a dict (keyword arguments, Hugging Face's convention) or a tuple (positional); the loss
+is the model's own `output.loss` where it computes one.
+
+The families, and what each exercises:
+
+- `llama`: LlamaForCausalLM, grouped-query attention (4 heads, 2 KV heads), untied head.
+- `mistral`: MistralForCausalLM, GQA and a sliding window shorter than the sequence.
+- `mixtral`: MixtralForCausalLM, a sparse mixture of experts (4 experts, top 2): transformers 5
+  runs the experts through `torch._grouped_mm`.
+- `qwen_moe`: Qwen2MoeForCausalLM, routed experts beside a shared expert.
+- `gpt2`: GPT2LMHeadModel, the head tied to the input embedding.
+- `bert`: BertForMaskedLM, an encoder whose MLM decoder is tied to the word embeddings.
+- `albert`: AlbertForMaskedLM, one layer shared by every block, factorised embeddings.
+- `t5`: T5ForConditionalGeneration, encoder-decoder with relative position biases.
+- `whisper`: WhisperForConditionalGeneration, speech: conv front end over log-mel features,
+  encoder-decoder.
+- `vit`: ViTForImageClassification.
+- `convnext`: ConvNextForImageClassification, depthwise 7x7 convolutions, LayerNorm, stages.
+- `resnet_hf`: ResNetForImageClassification, BatchNorm (running statistics are buffers).
+- `resnext`: a hand-written ResNeXt (grouped 3x3 convolutions, BatchNorm) in plain torch.
+- `lora`: PEFT LoRA (rank 8) on a Llama: the base frozen, only the adapters train (peft is a
+  `bench` extra; without it this entry raises ImportError naming it).
+- `frozen_gpt2`: GPT2LMHeadModel with its embeddings and first block frozen.
+- `dict_out`: a plain-torch encoder whose forward returns a dict with its own loss.
+- `nn_transformer`: `nn.Transformer` (encoder and decoder layers) as a seq2seq model.
+- `nn_encoder`: `nn.TransformerEncoder` as a sequence classifier.
+- `mixed_blocks`: attention blocks and MLP blocks of two classes, alternating.
+
+`FAST` is the subset CI runs (tests/test_estimate_accuracy.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zoo import ZooModel
+
+SEQ = 32
+VOCAB = 512
+
+
+def model_loss(output: Any, batch: Any) -> torch.Tensor:
+    """The loss the model computed itself (`output.loss`, or `output["loss"]`)."""
+    loss = output["loss"] if isinstance(output, dict) else output.loss
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the model returned no loss (got {type(output).__name__})")
+    return loss
+
+
+def classification_loss(output: Any, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(output.float(), batch[-1])
+
+
+def _generator(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(10_007 * seed + 101 * rank + 1)
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _hf(model: nn.Module) -> nn.Module:
+    """A Hugging Face model as a trainer uses it: training mode, no dropout randomness needed."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # training: no KV cache (transformers' Trainer does the same)
+    return model.train()
+
+
+def _tokens(n: int, g: torch.Generator, seq: int = SEQ, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(vocab, (n, seq), generator=g)
+
+
+def _lm_batch(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = _tokens(n, g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder LMs
+
+
+def _llama_config(**kw: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ,
+        tie_word_embeddings=False,
+        **kw,
+    )
+
+
+def llama(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(_llama_config()), _lm_batch(n, g)
+
+
+def mistral(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ,
+        sliding_window=SEQ // 2,
+    )
+    return MistralForCausalLM(config), _lm_batch(n, g)
+
+
+def mixtral(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=2 * SEQ,
+    )
+    return MixtralForCausalLM(config), _lm_batch(n, g)
+
+
+def qwen_moe(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=2 * SEQ,
+    )
+    return Qwen2MoeForCausalLM(config), _lm_batch(n, g)
+
+
+def _gpt2_config() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+    )
+
+
+def gpt2(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(_gpt2_config()), _lm_batch(n, g)
+
+
+def frozen_gpt2(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(_gpt2_config())
+    for module in (model.transformer.wte, model.transformer.wpe, model.transformer.h[0]):
+        module.requires_grad_(False)
+    return model, _lm_batch(n, g)
+
+
+def lora(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError(
+            f"zoo entry 'lora' needs peft ({error}); install it with pip install -e '.[bench]'"
+        ) from error
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM(_llama_config())
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
+    return get_peft_model(base, config), _lm_batch(n, g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders, encoder-decoders, speech
+
+
+def _mlm_batch(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = _tokens(n, g)
+    labels = torch.where(torch.rand(ids.shape, generator=g) < 0.15, ids, -100)
+    labels[:, 0] = ids[:, 0]  # at least one label per row
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def bert(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=2 * SEQ,
+    )
+    return BertForMaskedLM(config), _mlm_batch(n, g)
+
+
+def albert(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    config = AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=32,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=2 * SEQ,
+    )
+    return AlbertForMaskedLM(config), _mlm_batch(n, g)
+
+
+def t5(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    batch = {"input_ids": _tokens(n, g), "labels": _tokens(n, g, seq=SEQ // 2)}
+    return T5ForConditionalGeneration(config), batch
+
+
+def whisper(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    mel, frames = 16, 64
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=mel,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=frames // 2,
+        max_target_positions=SEQ,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+    )
+    batch = {
+        "input_features": torch.randn(n, mel, frames, generator=g),
+        "labels": _tokens(n, g, seq=SEQ // 2),
+    }
+    return WhisperForConditionalGeneration(config), batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Vision
+
+
+def _image_batch(n: int, g: torch.Generator, size: int, classes: int) -> dict[str, torch.Tensor]:
+    return {
+        "pixel_values": torch.randn(n, 3, size, size, generator=g),
+        "labels": torch.randint(classes, (n,), generator=g),
+    }
+
+
+def vit(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=32,
+        patch_size=4,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_labels=10,
+    )
+    return ViTForImageClassification(config), _image_batch(n, g, 32, 10)
+
+
+def convnext(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(
+        hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10, image_size=64
+    )
+    return ConvNextForImageClassification(config), _image_batch(n, g, 64, 10)
+
+
+def resnet_hf(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        num_labels=10,
+    )
+    return ResNetForImageClassification(config), _image_batch(n, g, 64, 10)
+
+
+class ResNeXtBlock(nn.Module):
+    """Bottleneck with a grouped 3x3 convolution (Xie et al. 2017) and BatchNorm."""
+
+    def __init__(self, width: int, groups: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(width, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1, groups=groups, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.body(x))
+
+
+class ResNeXt(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width)
+        )
+        self.blocks = nn.Sequential(*(ResNeXtBlock(width) for _ in range(depth)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.blocks(F.relu(self.stem(images)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def resnext(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    images = torch.randn(n, 3, 32, 32, generator=g)
+    return ResNeXt(), (images, torch.randint(10, (n,), generator=g))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain torch: dict outputs, nn.Transformer, alternating block classes
+
+
+class DictEncoder(nn.Module):
+    """An encoder whose forward takes keyword arguments and returns a dict with its loss."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.encoder(self.embed(input_ids)))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def dict_out(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    return DictEncoder(), _lm_batch(n, g)
+
+
+class Seq2Seq(nn.Module):
+    """`nn.Transformer` with embeddings and a head: source and target token ids in, logits out."""
+
+    def __init__(self, width: int = 64, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.transformer = nn.Transformer(
+            width, 4, layers, layers, 4 * width, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(
+        self, source: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(target.shape[1], device=target.device)
+        out = self.transformer(self.embed(source), self.embed(target), tgt_mask=mask)
+        return self.head(out)
+
+
+def _seq2seq_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1).float(), batch[2].flatten())
+
+
+def nn_transformer(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    source, target = _tokens(n, g), _tokens(n, g, seq=SEQ // 2 + 1)
+    return Seq2Seq(), (source, target[:, :-1].contiguous(), target[:, 1:].contiguous())
+
+
+class EncoderClassifier(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def nn_encoder(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    return EncoderClassifier(), (_tokens(n, g), torch.randint(10, (n,), generator=g))
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class FeedForwardBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MixedBlocks(nn.Module):
+    """Attention and feed-forward blocks of two classes, alternating in one ModuleList."""
+
+    def __init__(self, width: int = 64, pairs: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(
+            block
+            for _ in range(pairs)
+            for block in (AttentionBlock(width), FeedForwardBlock(width))
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=1))
+
+
+def mixed_blocks(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    return MixedBlocks(), (_tokens(n, g), torch.randint(10, (n,), generator=g))
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+Factory = Callable[[int, torch.Generator], tuple[nn.Module, Any]]
+# name: (factory, default per-rank batch, loss)
+ENTRIES: dict[str, tuple[Factory, int, Callable[[Any, Any], torch.Tensor]]] = {
+    "llama": (llama, 4, model_loss),
+    "mistral": (mistral, 4, model_loss),
+    "mixtral": (mixtral, 4, model_loss),
+    "qwen_moe": (qwen_moe, 4, model_loss),
+    "gpt2": (gpt2, 4, model_loss),
+    "bert": (bert, 4, model_loss),
+    "albert": (albert, 4, model_loss),
+    "t5": (t5, 4, model_loss),
+    "whisper": (whisper, 4, model_loss),
+    "vit": (vit, 4, model_loss),
+    "convnext": (convnext, 4, model_loss),
+    "resnet_hf": (resnet_hf, 4, model_loss),
+    "resnext": (resnext, 8, classification_loss),
+    "lora": (lora, 4, model_loss),
+    "frozen_gpt2": (frozen_gpt2, 4, model_loss),
+    "dict_out": (dict_out, 4, model_loss),
+    "nn_transformer": (nn_transformer, 4, _seq2seq_loss),
+    "nn_encoder": (nn_encoder, 4, classification_loss),
+    "mixed_blocks": (mixed_blocks, 4, classification_loss),
+}
+# The CI subset: MoE, tied embeddings, an encoder-decoder, LoRA, a plain decoder.
+FAST = ("llama", "mixtral", "gpt2", "t5", "lora")
+
+
+def build(
+    name: str,
+    per_rank_batch: int | None = None,
+    *,
+    rank: int = 0,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> ZooModel:
+    """Zoo entry `name`: the model built from `seed` (the same on every rank), this rank's batch,
+    an AdamW over the trainable parameters and the loss."""
+    if name not in ENTRIES:
+        raise ValueError(f"unknown external zoo model {name!r}; choose from {', '.join(ENTRIES)}")
+    factory, default_batch, loss = ENTRIES[name]
+    torch.manual_seed(seed)
+    model, batch = factory(per_rank_batch or default_batch, _generator(seed, rank))
+    model = _hf(model).to(device)
+    if isinstance(batch, dict):
+        batch = {k: v.to(device) for k, v in batch.items()}
+    else:
+        batch = tuple(t.to(device) for t in batch)
+    return ZooModel(model, _adamw(model), batch, loss)
