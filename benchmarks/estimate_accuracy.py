@@ -1,33 +1,40 @@
 """Estimate accuracy: autoshard's predicted per-rank peak against the peak the allocator measured.
 
-For each zoo model x strategy ("ddp", "shard_grad_op", "full_shard"; at world size 1 they still
-wrap, torchrun having made a process group) x mixed precision x activation checkpointing (off, or
-on every block), `autoshard.prepare(..., trial_step=False)` wraps the model and its plan predicts
-the per-rank peak (`plan.estimated_peak_bytes`, with the chosen candidate's terms). Then
-`--warmup` steps run (the optimizer state exists from the first on) and `--steps` measured steps,
-each `loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`. On each rank:
+For each zoo model (`--zoo own`: benchmarks/zoo.py; `--zoo external`: benchmarks/zoo_external.py,
+models nobody here wrote) x strategy ("ddp", "shard_grad_op", "full_shard"; at world size 1 they
+still wrap, torchrun having made a process group) x mixed precision x activation checkpointing
+(off, or on every block): the prediction is `estimated_peak_bytes` of an `autoshard.plan(...)`
+made first, outside any profiler (a running profiler changes what the estimator can measure:
+DESIGN.md section 3), with the chosen candidate's terms. Then, inside the profile, the model is
+built again and `autoshard.prepare(...)` wraps it (with its trial step unless `--no-trial`; the
+trial's measured peak is reported beside the figures), `--warmup` unmeasured steps run (default
+0) and `--steps` K measured steps (default 3: the first step after prepare counts), each
+`loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`. On each rank:
 
 - allocator peak (the figure compared): on CPU, torch's profiler with `profile_memory=True`,
   started before the model is built, so that its running total of allocator bytes counts
   everything the training holds, C++-side buffers included (DDP's gradient buckets); its maximum
-  over the measured steps (`_live_bytes.py`, DESIGN.md section 3). On CUDA,
-  `torch.cuda.max_memory_allocated` over the measured steps less what was allocated before the
-  model was built.
+  over the measured steps with the frees gloo makes on its own thread inferred (`_live_bytes.py`,
+  DESIGN.md section 3), and beside it the raw bound (those frees not inferred: an upper bound).
+  On CUDA, `torch.cuda.max_memory_allocated` over the measured steps less what was allocated
+  before the model was built.
 - tracker peak, beside it: torch's MemTracker (FSDPMemTracker under FSDP2) over the same steps.
   It sees tensors at the dispatcher, so it misses C++-side buffers and kernels' scratch memory.
 
-error = (predicted - allocator peak) / allocator peak, per rank; a row reports its worst rank.
-Every configuration builds its own model and optimizer and frees them before the next; frees of
-blocks allocated before its profile are not counted. A configuration whose profile ends with an
-unexplained block still live (a free the profiler missed and could not infer, see
-`_live_bytes.py`) is measured again, up to `--retries` times; if it stays, its row is marked an
-upper bound.
+error = (predicted - allocator peak) / allocator peak, per rank; a row reports its worst rank
+(and the raw error beside it). Every configuration builds its own model and optimizer and frees
+them before the next; frees of blocks allocated before its profile are not counted. A
+configuration whose profile ends with an unexplained block still live (a free the profiler missed
+and could not infer, see `_live_bytes.py`) is measured again, up to `--retries` times; if it
+stays, its row is marked an upper bound.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/estimate_accuracy.py --json out.json
     python benchmarks/estimate_accuracy.py --world-sizes 1,2 --json out.json  # both, merged
+    torchrun --standalone --nproc-per-node 2 benchmarks/estimate_accuracy.py --zoo external
 
 Output (rank 0): a markdown table, the summary against the targets (median |error| <= 3%, worst
-<= 8%), and with `--json PATH` every figure per rank.
+<= 8%, no underestimate worse than -3%) with each model's worst signed error, and with
+`--json PATH` every figure per rank.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import sys
 
 import pytest
 from _dist import REPO, SLOW_MACHINE, run_torchrun
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import zoo_external  # noqa: E402
 from _live_bytes import Allocation, AllocatorProfile, corrected_deltas, running_peak  # noqa: E402
 
 WORST_TARGET = 0.08  # the issue's target for every configuration
@@ -128,6 +130,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "1",
         "--retries",
         "1",
+        "--no-trial",  # as before the trial column existed: its CI time unchanged
         "--json",
         str(out),
         timeout=TIMEOUT_S,
@@ -201,3 +204,99 @@ def test_estimate_within_target(
         f"({100 * row['error']:+.1f}%, target within {100 * WORST_TARGET:g}%); "
         f"breakdown {row['breakdown']}"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The external zoo (benchmarks/zoo_external.py): models nobody here wrote, held to the issue's
+# targets. Its fast subset (`zoo_external.FAST`): a mixture of experts run through
+# torch._grouped_mm (Mixtral), tied embeddings (GPT-2), an encoder-decoder (T5), PEFT LoRA on a
+# GQA decoder (frozen base) and a plain-torch encoder returning a dict, under every strategy at
+# 2 ranks, fp32, checkpointing off, the first two steps after prepare (with its trial step, as
+# a user calls it) measured, no tracker (the allocator's figures only). 6-7 minutes on 2 cores
+# shared with other test runs. Without the trial step, FSDP2's first step holds one-off
+# allocations the estimate does not count (T5 FULL_SHARD -3.5%): see benchmarks/RESULTS.md.
+
+MEDIAN_TARGET = 0.03
+UNDER_TARGET = -0.03
+EXTERNAL_TIMEOUT_S = 600
+# Combinations that crash for reasons issue 12a fixes (tied weights across FSDP units,
+# transformers checkpointing): skipped with that reason, each named. None in this subset.
+EXTERNAL_SKIPS: dict[tuple[str, str], str] = {}
+
+
+def _external_models() -> tuple[str, ...]:
+    pytest.importorskip("transformers", reason="transformers is not installed (the test extra)")
+    pytest.importorskip("peft", reason="peft is not installed (the test extra)")
+    return zoo_external.FAST
+
+
+@pytest.fixture(scope="module")
+def external(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    models = _external_models()
+    out = tmp_path_factory.mktemp("accuracy_external") / "accuracy.json"
+    returncode, output, timed_out = run_torchrun(
+        REPO / "benchmarks" / "estimate_accuracy.py",
+        "--zoo",
+        "external",
+        "--models",
+        ",".join(models),
+        "--strategies",
+        ",".join(STRATEGIES),
+        "--mixed-precision",
+        "no",
+        "--ac",
+        "off",
+        "--steps",
+        "2",  # the first step has no optimizer state in backward: the second is the steady one
+        "--retries",
+        "1",
+        "--no-tracker",
+        "--json",
+        str(out),
+        timeout=EXTERNAL_TIMEOUT_S,
+    )
+    if timed_out:
+        pytest.fail(
+            f"estimate_accuracy.py timed out after {EXTERNAL_TIMEOUT_S}s:\n{output[-4000:]}"
+        )
+    if returncode != 0:
+        pytest.fail(f"estimate_accuracy.py exited with {returncode}:\n{output[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _external_row(result: dict, model: str, strategy: str) -> dict:
+    if (model, strategy) in EXTERNAL_SKIPS:
+        pytest.skip(EXTERNAL_SKIPS[model, strategy])
+    row = next(r for r in result["rows"] if r["model"] == model and r["strategy"] == strategy)
+    assert row["error_message"] is None, f"{model} {strategy}: {row['error_message']}"
+    return row
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model", zoo_external.FAST)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_external_estimate_within_target(external: dict, model: str, strategy: str) -> None:
+    row = _external_row(external, model, strategy)
+    w = row["worst_rank"]
+    detail = (
+        f"{model} {strategy}: predicted {row['predicted_bytes'][w] / 2**20:.2f} MiB, allocator "
+        f"peak {row['allocator_peak_bytes'][w] / 2**20:.2f} MiB ({100 * row['error']:+.1f}%); "
+        f"breakdown {row['breakdown']}; reasons {row['reasons']}"
+    )
+    assert abs(row["error"]) <= WORST_TARGET, detail
+    assert row["error"] >= UNDER_TARGET, detail
+    # every term measured: the plan traced the batch and simulated the strategy
+    assert row["breakdown"]["activations"] > 0, detail
+    assert not any("not simulated" in r for r in row["reasons"]), detail
+
+
+@pytest.mark.dist
+def test_external_median_error_within_target(external: dict) -> None:
+    models = _external_models()
+    assert sorted((r["model"], r["strategy"]) for r in external["rows"]) == sorted(
+        (m, s) for m in models for s in STRATEGIES
+    )
+    done = [r for r in external["rows"] if (r["model"], r["strategy"]) not in EXTERNAL_SKIPS]
+    assert all(r["error_message"] is None for r in done)
+    median = statistics.median(abs(r["error"]) for r in done)
+    assert median <= MEDIAN_TARGET, f"median |error| {100 * median:.1f}%"
