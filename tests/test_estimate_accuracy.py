@@ -273,6 +273,7 @@ def _external_row(result: dict, model: str, strategy: str) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("model", zoo_external.FAST)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_external_estimate_within_target(external: dict, model: str, strategy: str) -> None:
@@ -291,6 +292,7 @@ def test_external_estimate_within_target(external: dict, model: str, strategy: s
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_external_median_error_within_target(external: dict) -> None:
     models = _external_models()
     assert sorted((r["model"], r["strategy"]) for r in external["rows"]) == sorted(
