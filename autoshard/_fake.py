@@ -49,31 +49,6 @@ def _forget_cached(func: Any) -> None:
         del cache[key]
 
 
-@contextlib.contextmanager
-def gloo_copies(device_type: str) -> Iterator[None]:
-    """The copy gloo makes of a reduce-scatter's input, held in the simulation as it is held in
-    training: on the CPU, where the job's collectives run on gloo, `c10d::_reduce_scatter_base_`
-    clones its input (FSDP2's unsharded gradients of one unit, in the reduce dtype) and frees the
-    clone once the collective has run (benchmarks/_live_bytes.py). The fake process group makes
-    no copy, so the trackers would not see those bytes at the moment they add to the peak; here
-    every reduce-scatter of the simulation allocates the same clone for its duration. NCCL makes
-    no such copy: on CUDA nothing changes."""
-    original = getattr(dist, "reduce_scatter_single", None)
-    if device_type != "cpu" or original is None:
-        yield
-        return
-
-    def reduce_scatter_single(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
-        copy = input.clone()  # noqa: F841 - alive while the collective runs, as gloo's is
-        return original(output, input, *args, **kwargs)
-
-    dist.reduce_scatter_single = reduce_scatter_single
-    try:
-        yield
-    finally:
-        dist.reduce_scatter_single = original
-
-
 def _is_grouped_mm(func: Any) -> bool:
     return func is torch.ops.aten._grouped_mm.default
 

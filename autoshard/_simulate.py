@@ -45,7 +45,6 @@ from autoshard._fake import (
     fake_mesh,
     fake_optimizer,
     fake_tensor,
-    gloo_copies,
     unavailable,
     wider_fake_kernels,
 )
@@ -211,7 +210,7 @@ def wrapped_copy(
     """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
     `_apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
     fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
-    with wider_fake_kernels(), gloo_copies((setup.trains_on or setup.device).type), mode:
+    with wider_fake_kernels(), mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
             from autoshard._apply import checkpoint_block

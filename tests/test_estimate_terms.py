@@ -198,26 +198,3 @@ def test_a_trial_peak_above_the_estimate_is_said() -> None:
         "100.00 MiB: the estimate misses a term (see the reasons above); leave that much more "
         "headroom in memory_limit"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# gloo's copy of a reduce-scatter's input
-
-
-@pytest.mark.parametrize("device_type, copied", [("cpu", True), ("cuda", False)])
-def test_simulated_reduce_scatter_holds_gloos_copy_of_its_input_on_cpu_only(
-    device_type: str, copied: bool
-) -> None:
-    """Before: FULL_SHARD on 2 gloo ranks measured one unit's unsharded gradients above the
-    simulation (whisper -4.8%): gloo clones the reduce-scatter input, the fake group does not."""
-    import torch.distributed as dist
-
-    from autoshard._fake import fake_mesh, gloo_copies
-    from autoshard._meter import LiveBytes
-
-    unsharded, shard = torch.ones(64, 32), torch.empty(32, 32)
-    with fake_mesh(2, 0, "cpu"):
-        meter = LiveBytes([unsharded, shard])
-        with gloo_copies(device_type), meter:
-            dist.reduce_scatter_single(shard, unsharded)
-        assert meter.peak - meter.current == (unsharded.nbytes if copied else 0)
