@@ -35,13 +35,14 @@ def fake_step(
 
     from autoshard._apply import autocast_hooks
     from autoshard._batch import call_model, compute_loss
+    from autoshard._fake import wider_fake_kernels
     from autoshard._simulate import wrapped_copy
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     depth = len(setup.block_names)
     try:
         fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
-        with mode:
+        with wider_fake_kernels(), mode:  # as the simulation runs it (fp32 torch._grouped_mm)
             if not strategy.sharded and setup.dtype is not None:
                 autocast_hooks(fake, setup.device.type, setup.dtype)
             compute_loss(call_model(fake, batch), batch, setup.loss_fn).backward()

@@ -194,7 +194,7 @@ def _run(
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
-    with mode:
+    with wider_fake_kernels(), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy)
 
 
@@ -210,7 +210,7 @@ def wrapped_copy(
     """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
     `_apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
     fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
-    with wider_fake_kernels(), mode:
+    with mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
             from autoshard._apply import checkpoint_block
