@@ -61,7 +61,7 @@ SNIPPETS = [
         "a fragment: model, optimizer and batch are "
         "the reader's; train.py below is the complete script",
     ),
-    Snippet("trial_step=True, dataloader=None) -> Prepared", None, "a signature"),
+    Snippet("trial_step=True, dataloader=None, accumulation_steps=1)", None, "a signature"),
     Snippet("prepared = autoshard.prepare(model, optimizer, example_batch=batch)", "train.py"),
     Snippet("from autoshard._demo import plan_example", "plan_example.py"),
     Snippet("autoshard.save(path, model, optimizer=None) -> pathlib.Path", None, "a signature"),
