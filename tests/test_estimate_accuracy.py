@@ -219,9 +219,6 @@ def test_estimate_within_target(
 MEDIAN_TARGET = 0.03
 UNDER_TARGET = -0.03
 EXTERNAL_TIMEOUT_S = 120 * SLOW_MACHINE  # a hang detector (see _dist.SLOW_MACHINE)
-# Combinations that crash for reasons issue 12a fixes (tied weights across FSDP units,
-# transformers checkpointing): skipped with that reason, each named. None in this subset.
-EXTERNAL_SKIPS: dict[tuple[str, str], str] = {}
 
 
 def _external_models() -> tuple[str, ...]:
@@ -265,8 +262,6 @@ def external(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _external_row(result: dict, model: str, strategy: str) -> dict:
-    if (model, strategy) in EXTERNAL_SKIPS:
-        pytest.skip(EXTERNAL_SKIPS[model, strategy])
     row = next(r for r in result["rows"] if r["model"] == model and r["strategy"] == strategy)
     assert row["error_message"] is None, f"{model} {strategy}: {row['error_message']}"
     return row
@@ -322,7 +317,7 @@ def test_external_median_error_within_target(external: dict) -> None:
     assert sorted((r["model"], r["strategy"]) for r in external["rows"]) == sorted(
         (m, s) for m in models for s in STRATEGIES
     )
-    done = [r for r in external["rows"] if (r["model"], r["strategy"]) not in EXTERNAL_SKIPS]
+    done = external["rows"]
     assert all(r["error_message"] is None for r in done)
     median = statistics.median(abs(r["error"]) for r in done)
     assert median <= MEDIAN_TARGET, f"median |error| {100 * median:.1f}%"
