@@ -4,14 +4,14 @@ checkpointing from the memory every GPU really has free, and proves the choice w
     model, optimizer, plan = autoshard.prepare(model, optimizer, example_batch=batch)
 """
 
-from autoshard._accelerate import accelerate_kwargs
-from autoshard._agree import PeerError, PeerTimeout, set_agreement_timeout
-from autoshard._checkpoint import load, save
-from autoshard._data import shard_dataloader
-from autoshard._fit import DoesNotFit
-from autoshard._plan import Attempt, Candidate, Plan
-from autoshard._prepare import Prepared, plan, prepare
-from autoshard._strategy import Strategy
+from autoshard.api import Prepared, plan, prepare
+from autoshard.collective import PeerError, PeerTimeout, set_agreement_timeout
+from autoshard.decide.fit import DoesNotFit
+from autoshard.decide.plan import Attempt, Candidate, Plan
+from autoshard.io.accelerate import accelerate_kwargs
+from autoshard.io.checkpoint import load, save
+from autoshard.io.data import shard_dataloader
+from autoshard.strategies.strategy import Strategy
 
 __all__ = [
     "Attempt",

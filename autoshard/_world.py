@@ -3,7 +3,7 @@
 rank, local rank, world size, backend and training device come from the process group (or
 the variables torchrun and `accelerate launch` set); free memory from pynvml on GPU (falling back
 to `torch.cuda.mem_get_info`) and from psutil on CPU. What must hold on every rank is agreed with
-one agreement (`_agree.agree`).
+one agreement (`collective.agree`).
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@ World size 1 runs inside a one-rank process group (NCCL on CUDA, gloo on the CPU
 two more are measured. World size 8 runs on the one device through a fake process group: its
 collectives do nothing, but every allocation is real, so the measured peak is one rank's memory
 in an 8-rank job. Its estimate comes from `autoshard.plan(world_size=8)` made before the group
-exists (what-if), and the model is wrapped by the code `prepare` uses (`_apply.apply`).
+exists (what-if), and the model is wrapped by the code `prepare` uses (`apply.apply`).
 
 The figures compared, per configuration:
 - estimate: the chosen candidate's tensor terms (`footprint.peak - footprint.overheads`: the
   overheads are what no allocation shows, the CUDA context and NCCL's buffers, plus a stated
   allocator margin), against the measured peak: `torch.cuda.max_memory_allocated` over the
   measured steps less what was allocated before the model was built; on the CPU dry run the
-  live tensor bytes (`autoshard._meter.LiveBytes`, what the trial step measures on CPU).
+  live tensor bytes (`autoshard.wrap.meter.LiveBytes`, what the trial step measures on CPU).
 - reserved: `torch.cuda.max_memory_reserved` over the whole configuration less what was reserved
   before it, against the usable memory the plan fitted to (CUDA only).
 - step time: the cost model's step time with its constants, and with the measured throughput of
@@ -36,12 +36,12 @@ import torch.distributed as dist
 from _gpu_models import build, configs, models_for
 
 import autoshard
-import autoshard._prepare as prepare_module
-from autoshard._apply import apply, start
-from autoshard._blocks import find_blocks
-from autoshard._meter import LiveBytes, held_tensors
-from autoshard._plan import PlanInputs, Throughput, hardware_for, step_seconds
+import autoshard.api as prepare_module
 from autoshard._world import World
+from autoshard.decide.blocks import find_blocks
+from autoshard.decide.plan import PlanInputs, Throughput, hardware_for, step_seconds
+from autoshard.wrap.apply import apply, start
+from autoshard.wrap.meter import LiveBytes, held_tensors
 
 MEDIAN_TARGET = 0.03  # median |error|
 WORST_TARGET = 0.08  # worst |error|

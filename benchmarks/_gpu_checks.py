@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard._plan import Throughput, hardware_for
+from autoshard.decide.plan import Throughput, hardware_for
 
 DISAGREEMENT = 0.20  # beyond this the measured figure replaces the constant
 
@@ -131,9 +131,9 @@ def estimate_missing_activations() -> Iterator[None]:
     """The estimator is conservative, so on its own it never picks a rung that really runs out of
     memory: this stands in an estimate that misses 99% of the activations (and no simulation,
     which would trace them again), so that the plan keeps every block unchecked."""
-    from autoshard import _inputs
+    from autoshard.measure import facts
 
-    real = _inputs.measure
+    real = facts.measure
 
     def missing(*args: Any, **kwargs: Any) -> Any:
         measured = real(*args, **kwargs)
@@ -150,9 +150,9 @@ def estimate_missing_activations() -> Iterator[None]:
         return dataclasses.replace(measured, profile=shrunk)
 
     with (
-        mock.patch("autoshard._prepare.measure", missing),
+        mock.patch("autoshard.api.measure", missing),
         mock.patch(
-            "autoshard._inputs.simulate_all", lambda *a, **k: ({}, "not simulated (stand-in)")
+            "autoshard.measure.facts.simulate_all", lambda *a, **k: ({}, "not simulated (stand-in)")
         ),
     ):
         yield

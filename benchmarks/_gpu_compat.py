@@ -45,13 +45,13 @@ def _tracker_fields() -> bool:
 
 def _pluggable_comms() -> bool:
     """FSDP2 param groups with `_all_gather_comm`/`_reduce_scatter_comm`, on a one-rank fake
-    group (what `_agree.fsdp_sync_points` swaps)."""
+    group (what `collective.fsdp_sync_points` swaps)."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg as fake_pg
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from autoshard._agree import _param_groups
+    from autoshard.collective import _param_groups
 
     if dist.is_initialized():
         raise RuntimeError("a process group exists already")
@@ -82,25 +82,25 @@ def _pynvml() -> bool:
 FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     (
         "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
-        "_fake.unavailable, _step: simulated FSDP2 steps",
+        "fake.unavailable, step: simulated FSDP2 steps",
         "estimates are analytic (formulas), the plan says so",
         _import("torch.distributed._tools.fsdp2_mem_tracker:FSDPMemTracker"),
     ),
     (
         "torch.distributed._tools.mem_tracker.MemTracker",
-        "_fake.unavailable, _step: simulated LOCAL/DDP steps",
+        "fake.unavailable, step: simulated LOCAL/DDP steps",
         "estimates are analytic",
         _import("torch.distributed._tools.mem_tracker:MemTracker"),
     ),
     (
         "MemTracker private peak fields (_update_peak_stats, _peak_mem, ...)",
-        "_step._global_peak_only, _step._reset_peak",
+        "step._global_peak_only, step._reset_peak",
         "simulation slower; phases share one peak (overestimates only)",
         _tracker_fields,
     ),
     (
         "torch.testing._internal.distributed.fake_pg (backend 'fake')",
-        "_fake.fake_mesh: simulation at any world size",
+        "fake.fake_mesh: simulation at any world size",
         "estimates are analytic",
         _import("torch.testing._internal.distributed.fake_pg:FakeStore"),
     ),
@@ -112,7 +112,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "MixedPrecisionPolicy(output_dtype=...)",
-        "_apply.shard_module",
+        "apply.shard_module",
         "none: FSDP2 mixed precision fails",
         lambda: (
             "output_dtype"
@@ -126,32 +126,32 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "FSDPModule.reset_iter_state",
-        "_trial._clean_up: recovery after an OOM under FSDP2",
+        "trial._clean_up: recovery after an OOM under FSDP2",
         "an OOM under FSDP2 in the trial raises instead of falling back",
         _attr(_fsdp_module, "reset_iter_state"),
     ),
     (
         "FSDPModule.set_reshard_after_forward",
-        "_apply.apply: ZeRO-2 -> ZeRO-3 in place",
+        "apply.apply: ZeRO-2 -> ZeRO-3 in place",
         "none: the SHARD_GRAD_OP -> FULL_SHARD fallback fails",
         _attr(_fsdp_module, "set_reshard_after_forward"),
     ),
     (
         "FSDP2 pluggable comms: param groups (state._fsdp_param_groups, older _fsdp_param_group) "
         "with _all_gather_comm/_reduce_scatter_comm",
-        "_agree.fsdp_sync_points: OOM agreement at every collective",
+        "collective.fsdp_sync_points: OOM agreement at every collective",
         "ranks agree only before the optimizer step and after the trial (the plan notes it)",
         _pluggable_comms,
     ),
     (
         "torch.cuda.get_per_process_memory_fraction",
-        "_meter.memory_cap: the caller's memory fraction put back",
+        "meter.memory_cap: the caller's memory fraction put back",
         "the fraction is reset to 1.0 after the trial (a caller's own cap is lost)",
         _attr(lambda: torch.cuda, "get_per_process_memory_fraction"),
     ),
     (
         "aten.cudnn_batch_norm_backward",
-        "_workspace.OPERATORS: cuDNN batch-norm scratch measured",
+        "workspace.OPERATORS: cuDNN batch-norm scratch measured",
         "its scratch memory is not in the estimate",
         _attr(lambda: torch.ops.aten, "cudnn_batch_norm_backward"),
     ),
@@ -166,13 +166,13 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "torch.utils._python_dispatch._disable_current_modes",
-        "_workspace._probe",
+        "workspace._probe",
         "none: importing autoshard fails",
         _import("torch.utils._python_dispatch:_disable_current_modes"),
     ),
     (
         "torch.distributed._composable.checkpoint",
-        "_apply.checkpoint_blocks, _simulate",
+        "apply.checkpoint_blocks, simulate",
         "none: activation checkpointing fails",
         _import("torch.distributed._composable:checkpoint"),
     ),
@@ -202,7 +202,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "DeviceMesh.from_group(mesh_dim_names=...), new_group(use_local_synchronization=...)",
-        "_fake.fake_mesh inside a job (plan() or prepare() under torchrun)",
+        "fake.fake_mesh inside a job (plan() or prepare() under torchrun)",
         "estimates are analytic inside a job",
         lambda: (
             "mesh_dim_names" in _parameters("torch.distributed.device_mesh:DeviceMesh.from_group")
@@ -211,7 +211,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
-        "_apply.grad_scaler: fp16 under FSDP2",
+        "apply.grad_scaler: fp16 under FSDP2",
         "none: fp16 with a sharded strategy fails",
         _import("torch.distributed.fsdp.sharded_grad_scaler:ShardedGradScaler"),
     ),

@@ -105,7 +105,7 @@ def make_tracker(prepared: autoshard.Prepared, batch: Any) -> Any:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    from autoshard._step import frozen_safe
+    from autoshard.measure.step import frozen_safe
 
     model = prepared.model
     if isinstance(model, FSDPModule):

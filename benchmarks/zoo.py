@@ -7,7 +7,7 @@ Every builder has the same signature, `build(per_rank_batch, *, rank=0, seed=0, 
 
 The default sizes make one step take tens to a few hundred ms on one CPU core per rank:
 
-- `gpt`: the demo's GPT-2-style decoder (`autoshard._demo.GPT`, 0.9M parameters, 4 blocks).
+- `gpt`: the demo's GPT-2-style decoder (`autoshard.cli.demo.GPT`, 0.9M parameters, 4 blocks).
 - `mlp`: a plain stack of residual MLP blocks; many parameters for little compute, so the
   strategies differ mostly in communication and memory.
 - `vit`: a ViT-style encoder (patch embedding, class token, pre-LN transformer blocks, head).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard._demo import GPT, GPTConfig
+from autoshard.cli.demo import GPT, GPTConfig
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

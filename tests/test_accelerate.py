@@ -31,8 +31,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import autoshard
-import autoshard._accelerate
-from autoshard._blocks import find_blocks
+import autoshard.io.accelerate
+from autoshard.decide.blocks import find_blocks
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from _common import build, global_batches, shard  # noqa: E402
@@ -243,11 +243,11 @@ def test_one_process_plan_is_only_mixed_precision() -> None:
 
 def test_cpu_flag_and_fsdp_warning_only_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     plan, model = _plan(strategy="full_shard")
-    monkeypatch.setattr(autoshard._accelerate, "_cuda", lambda: False)
+    monkeypatch.setattr(autoshard.io.accelerate, "_cuda", lambda: False)
     kwargs, caught = _kwargs(plan, model)
     assert kwargs["cpu"] is True
     assert any("accelerate runs FSDP only on accelerators" in w for w in caught), caught
-    monkeypatch.setattr(autoshard._accelerate, "_cuda", lambda: True)
+    monkeypatch.setattr(autoshard.io.accelerate, "_cuda", lambda: True)
     kwargs, caught = _kwargs(plan, model)
     assert "cpu" not in kwargs and caught == []
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import autoshard
 from autoshard import Strategy
-from autoshard._estimate import ModelStats, Setting, analytic
-from autoshard._validate import check_request
+from autoshard.decide.estimate import ModelStats, Setting, analytic
+from autoshard.decide.validate import check_request
 
 FP32 = 4
 
@@ -79,7 +79,7 @@ def test_accumulated_gradients_by_strategy() -> None:
 
 
 def test_accumulated_gradients_join_the_simulated_backward_peak() -> None:
-    from autoshard._estimate import Phase, Simulated, from_simulation
+    from autoshard.decide.estimate import Phase, Simulated, from_simulation
 
     backward = Phase(100, 0, 30, 200, 5_000, 50, 0)  # FULL_SHARD at 2 ranks, by term
     step = Phase(100, 0, 100, 200, 0, 0, 4_000)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autoshard._blocks import find_blocks
+from autoshard.decide.blocks import find_blocks
 
 
 class Layer(nn.Module):
@@ -279,7 +279,7 @@ def test_balanced_stages_stay_whole() -> None:
 def test_a_block_tied_to_the_root_stays_in_the_root() -> None:
     # issue 12: BERT's tied decoder weight left the embeddings block shared with the root unit,
     # which FSDP2 refuses ("... already managed by another FSDP group")
-    from autoshard._blocks import blocks_and_notes
+    from autoshard.decide.blocks import blocks_and_notes
 
     model = nn.Module()
     model.layers = nn.ModuleList([Layer() for _ in range(3)])
@@ -295,7 +295,7 @@ def test_a_block_tied_to_the_root_stays_in_the_root() -> None:
 
 
 def test_blocks_sharing_a_parameter_both_stay_in_the_root() -> None:
-    from autoshard._blocks import blocks_and_notes
+    from autoshard.decide.blocks import blocks_and_notes
 
     model = nn.Module()
     model.layers = nn.ModuleList([Layer() for _ in range(4)])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard._checkpoint import MARKER
+from autoshard.io.checkpoint import MARKER
 
 
 class Small(nn.Module):

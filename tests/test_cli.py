@@ -15,14 +15,15 @@ from test_readme import _free_port, run_command
 from torch import nn
 
 import autoshard
-from autoshard import _demo, cli
+from autoshard import cli
+from autoshard.cli import demo
 
 
 def test_demo_that_does_not_fit_says_so_once_and_exits_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(_demo.STATUS_FILE_ENV, raising=False)
-    status = _demo.main(["--memory-limit", "64KiB", "--steps", "2"])
+    monkeypatch.delenv(demo.STATUS_FILE_ENV, raising=False)
+    status = demo.main(["--memory-limit", "64KiB", "--steps", "2"])
     err = capsys.readouterr().err
     assert status == 2
     assert err.count("no strategy fits") == 1, err
@@ -36,8 +37,8 @@ def test_demo_under_the_cli_hands_its_status_over_a_file(
     # torchrun prints a ChildFailedError for a rank that exits non-zero: under `autoshard demo`
     # the ranks exit 0 and rank 0 leaves the status for the command to exit with.
     status_file = tmp_path / "status"
-    monkeypatch.setenv(_demo.STATUS_FILE_ENV, str(status_file))
-    assert _demo.main(["--memory-limit", "64KiB", "--steps", "2"]) == 0
+    monkeypatch.setenv(demo.STATUS_FILE_ENV, str(status_file))
+    assert demo.main(["--memory-limit", "64KiB", "--steps", "2"]) == 0
     assert status_file.read_text() == "2"
 
 
@@ -51,7 +52,7 @@ def test_cli_demo_that_does_not_fit_prints_the_answer_once() -> None:
 
 def test_cli_strategy_gets_the_librarys_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        cli.main(["plan", "autoshard._demo:plan_example", "--strategy", "fsdp"])
+        cli.main(["plan", "autoshard.cli.demo:plan_example", "--strategy", "fsdp"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --strategy: strategy='fsdp' is not one of" in err

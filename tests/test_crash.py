@@ -87,13 +87,13 @@ def test_a_tracker_failure_alone_still_offers_the_candidate(
 ) -> None:
     """Where the plain model's fake step fails as well, the failure is not the candidate's: it
     is left to the formulas, as before."""
-    import autoshard._simulate
+    import autoshard.measure.simulate
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the tracker cannot follow this")
 
-    monkeypatch.setattr(autoshard._simulate, "simulate", broken)
-    monkeypatch.setattr("autoshard._crash.fake_step", lambda *a, **k: "RuntimeError: fake")
+    monkeypatch.setattr(autoshard.measure.simulate, "simulate", broken)
+    monkeypatch.setattr("autoshard.measure.crash.fake_step", lambda *a, **k: "RuntimeError: fake")
     plan = _plan(Net(refuse_fsdp=False))
     assert {c.strategy for c in plan.candidates} >= {Strategy.DDP, Strategy.FULL_SHARD}
     assert not any(r.startswith("not offered") for r in plan.reasons), plan.reasons

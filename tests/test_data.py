@@ -20,8 +20,8 @@ from torch.utils.data import (
 )
 
 import autoshard
-from autoshard._data import ShardedDataLoader, is_sharded, warn_if_unsharded
 from autoshard._world import resolve
+from autoshard.io.data import ShardedDataLoader, is_sharded, warn_if_unsharded
 
 DATA = TensorDataset(torch.arange(10))
 

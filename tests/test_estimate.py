@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard._estimate import (
+from autoshard.decide.estimate import (
     ALLOCATOR_MARGIN,
     CUDA_CONTEXT_BYTES,
     NCCL_BUFFER_BYTES,
@@ -19,9 +19,9 @@ from autoshard._estimate import (
     estimate,
     model_stats,
 )
-from autoshard._optim import optimizer_state_bytes
-from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile, profile_step
+from autoshard.measure.trace import ActivationProfile, profile_step
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.optim import optimizer_state_bytes
 
 FP32 = 4
 BF16 = 2
@@ -683,7 +683,7 @@ def test_uneven_profile_by_hand(
 def test_step_temporaries_follow_the_optimizer_implementation() -> None:
     # SGD's update is in place; a foreach Adam (the default on CUDA) holds one intermediate per
     # parameter at once, a single-tensor Adam (the default on CPU) one parameter's worth.
-    from autoshard._optim import step_temporary_bytes
+    from autoshard.wrap.optim import step_temporary_bytes
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
     sizes = [p.numel() * 4 for p in model.parameters()]  # 4096, 64, 2048, 32 fp32 elements
@@ -739,7 +739,7 @@ def _sim_stats() -> ModelStats:
 
 
 def test_from_simulation_takes_the_larger_phase_and_frees_checkpointed_activations() -> None:
-    from autoshard._estimate import Phase, Simulated, from_simulation
+    from autoshard.decide.estimate import Phase, Simulated, from_simulation
 
     backward = Phase(10, 1, 0, 20, activations=1310, comm_buffers=30, temporaries=5)
     step = Phase(10, 1, 10, 20, activations=0, comm_buffers=0, temporaries=40)
@@ -758,7 +758,7 @@ def test_from_simulation_takes_the_larger_phase_and_frees_checkpointed_activatio
 
 
 def test_from_simulation_rescales_the_shards_to_the_planned_degree() -> None:
-    from autoshard._estimate import Phase, Simulated, from_simulation, shard_bytes
+    from autoshard.decide.estimate import Phase, Simulated, from_simulation, shard_bytes
 
     stats = _sim_stats()
     at2 = shard_bytes(stats, 2)  # rank 0: 4 of 8 rows and 2 of 3 rows, x 16 bytes
@@ -775,7 +775,7 @@ def test_from_simulation_rescales_the_shards_to_the_planned_degree() -> None:
 
 
 def test_from_simulation_under_cpu_offload_keeps_state_off_the_device() -> None:
-    from autoshard._estimate import Phase, Simulated, from_simulation, host_bytes
+    from autoshard.decide.estimate import Phase, Simulated, from_simulation, host_bytes
 
     stats = _sim_stats()
     sim = Simulated(Phase(96, 0, 96, 192, 100, 50, 3), Phase(96, 0, 96, 192, 0, 0, 7), degree=2)

@@ -2,7 +2,7 @@
 under real torchrun (2 gloo ranks) on gpt, mlp and resnet with every strategy, checkpointing off and
 on every block, held to the accuracy target: every configuration's predicted peak within 8% of the
 allocator's measured peak. resnet's convolutions hold scratch memory only the allocator sees
-(checkpointed, 8.8% of its peak on 2 ranks): without `_workspace` it misses the target."""
+(checkpointed, 8.8% of its peak on 2 ranks): without `measure.workspace` it misses the target."""
 
 from __future__ import annotations
 

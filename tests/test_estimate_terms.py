@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard._blocks import find_blocks
-from autoshard._fake import wider_fake_kernels
-from autoshard._plan import above_estimate
-from autoshard._trace import profile_scaled, profile_step
+from autoshard.decide.blocks import find_blocks
+from autoshard.decide.plan import above_estimate
+from autoshard.measure.fake import wider_fake_kernels
+from autoshard.measure.trace import profile_scaled, profile_step
 
 
 def _plan(model: nn.Module, batch: object, strategy: str = "ddp", **kw: object) -> autoshard.Plan:

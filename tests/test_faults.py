@@ -22,8 +22,8 @@ from _dist import TIMEOUT_S, Launch, launch
 from torch import nn
 
 import autoshard
-from autoshard._agree import PeerError, _rebuilt
-from autoshard._layout import MARKER
+from autoshard.collective import PeerError, _rebuilt
+from autoshard.io.layout import MARKER
 
 pytestmark = pytest.mark.faults
 

@@ -23,7 +23,7 @@ import torch
 from _dist import REPO
 
 import autoshard
-from autoshard._meter import caller_peak_kept
+from autoshard.wrap.meter import caller_peak_kept
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _gpu_accuracy as accuracy  # noqa: E402

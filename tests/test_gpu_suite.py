@@ -17,7 +17,7 @@ import time
 import pytest
 from _dist import REPO, SLOW_MACHINE
 
-from autoshard._plan import Throughput, hardware_for
+from autoshard.decide.plan import Throughput, hardware_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _gpu_models  # noqa: E402
@@ -269,7 +269,7 @@ def test_caller_peak_kept_allocates_up_to_the_callers_peak_rounded_to_512_bytes(
 ) -> None:
     import torch
 
-    from autoshard._meter import caller_peak_kept
+    from autoshard.wrap.meter import caller_peak_kept
 
     cuda = FakeCuda(allocated=1000, peak=10_000, reserved=2048)
     cuda.install(monkeypatch)
@@ -285,7 +285,7 @@ def test_caller_peak_kept_does_nothing_when_the_body_peaked_higher(
 ) -> None:
     import torch
 
-    from autoshard._meter import caller_peak_kept
+    from autoshard.wrap.meter import caller_peak_kept
 
     cuda = FakeCuda(allocated=1000, peak=10_000, reserved=2048)
     cuda.install(monkeypatch)
@@ -302,7 +302,7 @@ def test_the_memory_cap_empties_the_cache_first_and_puts_the_callers_fraction_ba
 ) -> None:
     import torch
 
-    from autoshard._meter import memory_cap
+    from autoshard.wrap.meter import memory_cap
 
     cuda = FakeCuda(allocated=0, peak=0, reserved=0, fraction=0.9)
     cuda.install(monkeypatch)

@@ -25,8 +25,8 @@ pytest.importorskip(
 import torch  # noqa: E402
 from _dist import Launch, launch  # noqa: E402
 
-from autoshard._blocks import find_blocks  # noqa: E402
-from autoshard._trace import _Attribution, _unpack, profile_step  # noqa: E402
+from autoshard.decide.blocks import find_blocks  # noqa: E402
+from autoshard.measure.trace import _Attribution, _unpack, profile_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from _hf import PER_RANK, SEQ, VOCAB, ZOO, build, tied  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard import _inputs
-from autoshard._inputs import resolve_mixed_precision
+from autoshard.measure import facts
+from autoshard.measure.facts import resolve_mixed_precision
 
 CPU = torch.device("cpu")
 
@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 def test_auto_on_cpu_uses_bf16_only_where_the_cpu_computes_it_natively(
     monkeypatch: pytest.MonkeyPatch, native: bool, expected: str
 ) -> None:
-    monkeypatch.setattr(_inputs, "_cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: native)
     choice, reason = resolve_mixed_precision("auto", CPU, nn.Linear(4, 4))
     assert choice == expected
     assert "(auto)" in reason
@@ -38,7 +38,7 @@ def test_parameters_already_in_low_precision_turn_it_off(dtype: torch.dtype) -> 
 
 
 def test_the_native_bf16_probe_answers_a_bool() -> None:
-    assert isinstance(_inputs._cpu_has_native_bf16(), bool)
+    assert isinstance(facts._cpu_has_native_bf16(), bool)
 
 
 def test_memory_the_model_already_holds_counts_as_usable() -> None:
@@ -52,11 +52,11 @@ def test_memory_the_model_already_holds_counts_as_usable() -> None:
     optimizer.step()  # one momentum buffer per parameter
     params = (100 * 100 + 100) * 4
     momentum = params
-    memory = _inputs.with_resident(Memory(1000, 5000, "test"), model, optimizer, CPU)
+    memory = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, CPU)
     assert memory.free_bytes == 1000 + params + momentum
     assert memory.total_bytes == 5000
     assert "already hold" in memory.source
-    meta = _inputs.with_resident(Memory(1000, 5000, "test"), model, optimizer, torch.device("meta"))
+    meta = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, torch.device("meta"))
     assert meta.free_bytes == 1000  # nothing held on another device
 
 

@@ -1,4 +1,4 @@
-"""The CPU trial step's meter (`_meter.LiveBytes`): the same peak as torch's MemTracker, without
+"""The CPU trial step's meter (`meter.LiveBytes`): the same peak as torch's MemTracker, without
 keeping the model alive afterwards (MemTracker's ModTracker does, on torch 2.13)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import weakref
 import torch
 
 import autoshard
-from autoshard._demo import GPT, GPTConfig
-from autoshard._meter import LiveBytes, held_tensors
+from autoshard.cli.demo import GPT, GPTConfig
+from autoshard.wrap.meter import LiveBytes, held_tensors
 
 
 def _gpt() -> tuple[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:

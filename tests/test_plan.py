@@ -12,8 +12,9 @@ from torch import nn
 
 import autoshard
 from autoshard import DoesNotFit, Strategy
-from autoshard._estimate import ModelStats, Setting
-from autoshard._plan import (
+from autoshard._units import human
+from autoshard.decide.estimate import ModelStats, Setting
+from autoshard.decide.plan import (
     Attempt,
     Candidate,
     Hardware,
@@ -25,8 +26,7 @@ from autoshard._plan import (
     step_seconds,
     strategies_for,
 )
-from autoshard._trace import ActivationProfile
-from autoshard._units import human
+from autoshard.measure.trace import ActivationProfile
 
 MiB = 2**20
 GiB = 2**30

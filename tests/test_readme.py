@@ -63,7 +63,7 @@ SNIPPETS = [
     ),
     Snippet("trial_step=True, dataloader=None, accumulation_steps=1)", None, "a signature"),
     Snippet("prepared = autoshard.prepare(model, optimizer, example_batch=batch)", "train.py"),
-    Snippet("from autoshard._demo import plan_example", "plan_example.py"),
+    Snippet("from autoshard.cli.demo import plan_example", "plan_example.py"),
     Snippet("autoshard.save(path, model, optimizer=None) -> pathlib.Path", None, "a signature"),
     Snippet('autoshard.save("checkpoints/latest", model, optimizer)', "checkpoint.py"),
     Snippet("loader = autoshard.shard_dataloader(loader, *, seed=None)", None, "a signature"),
@@ -74,7 +74,7 @@ SNIPPETS = [
 
 # Commands run here, as written (program names mapped to this interpreter), and whether slow.
 RUN = {
-    "autoshard plan autoshard._demo:plan_example --world-size 8 --device-memory 80GiB": False,
+    "autoshard plan autoshard.cli.demo:plan_example --world-size 8 --device-memory 80GiB": False,
     "autoshard demo --help": False,
     "python train.py": False,
     "python train_accelerate.py": False,

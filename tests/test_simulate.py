@@ -1,5 +1,5 @@
-"""The per-candidate simulation (`_simulate`): two steps of the real FSDP2/DDP wrapping on fake
-tensors over a fake process group, in this one process.
+"""The per-candidate simulation (`measure.simulate`): two steps of the real FSDP2/DDP wrapping on
+fake tensors over a fake process group, in this one process.
 
 Its terms are checked against formulas written by hand from how FSDP2 and DDP hold memory, as
 PyTorch's own test_fully_shard_memory.py does: the sharded parameters, gradients and Adam state of
@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard._apply import shard_module
-from autoshard._demo import GPT, GPTConfig
-from autoshard._estimate import Simulated, model_stats, shard_bytes
-from autoshard._fake import unavailable
-from autoshard._simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
-from autoshard._step import total
-from autoshard._strategy import Strategy
+from autoshard.cli.demo import GPT, GPTConfig
+from autoshard.decide.estimate import Simulated, model_stats, shard_bytes
+from autoshard.measure.fake import unavailable
+from autoshard.measure.simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
+from autoshard.measure.step import total
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.apply import shard_module
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -140,7 +140,7 @@ def test_gathered_buffers_follow_fsdp2s_schedule(simulated: tuple) -> None:
 def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     """A 16-block model simulated at 3, 4 and 5 blocks and extended gives the totals of
     simulating all 16, per phase; where the line does not hold it simulates all of them."""
-    import autoshard._simulate as sim_module
+    import autoshard.measure.simulate as sim_module
 
     torch.manual_seed(0)
     depth = sim_module._MIN_DEPTH_TO_EXTEND
@@ -169,7 +169,7 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
 
 
 def test_unlike_blocks_are_simulated_whole() -> None:
-    import autoshard._simulate as sim_module
+    import autoshard.measure.simulate as sim_module
 
     model = MLP(depth=16)
     model.blocks[3] = nn.Sequential(nn.Linear(64, 64))
@@ -212,8 +212,8 @@ def test_what_if_at_large_world_size_rescales_to_total_over_n() -> None:
 def test_deep_alike_blocks_are_traced_shallow_and_extended() -> None:
     """The activation profile of a 16-block model from its first 3 blocks equals tracing all 16
     (the shallow tree shares the model's tensors: no copy)."""
-    from autoshard._inputs import measure
-    from autoshard._trace import profile_step
+    from autoshard.measure.facts import measure
+    from autoshard.measure.trace import profile_step
 
     torch.manual_seed(0)
     model = MLP(width=32, depth=16)
@@ -231,7 +231,7 @@ def test_one_measured_step_equals_a_warm_up_step_then_one(
 ) -> None:
     """For Adam/AdamW the measured step may be the first (state created up front, then added to
     the forward/backward peak): every term as with an unmeasured step first."""
-    import autoshard._step as step_module
+    import autoshard.measure.step as step_module
 
     model, optimizer, batch, names = MODELS[model_name]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from autoshard import Candidate, Strategy
-from autoshard._estimate import Footprint
-from autoshard._trial import ABORTED_OVERSHOOT, is_oom, next_rung
+from autoshard.decide.estimate import Footprint
+from autoshard.wrap.trial import ABORTED_OVERSHOOT, is_oom, next_rung
 
 DDP, ZERO2, ZERO3 = Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD
 CPU_OOM = (

@@ -1,6 +1,6 @@
-"""Kernel workspace (`autoshard._workspace`): a convolution's scratch memory, which fake tensors
-and dispatch-level trackers never see, measured once for real and counted in the simulation at
-the moment of the call."""
+"""Kernel workspace (`autoshard.measure.workspace`): a convolution's scratch memory, which fake
+tensors and dispatch-level trackers never see, measured once for real and counted in the
+simulation at the moment of the call."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
-from autoshard import _workspace
-from autoshard._workspace import Workspace, unmeasured_note
+from autoshard.measure import workspace
+from autoshard.measure.workspace import Workspace, unmeasured_note
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _live_bytes import AllocatorProfile  # noqa: E402
@@ -33,8 +33,8 @@ def _conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
-    _workspace._measured.clear()
-    _workspace._unmeasured.clear()
+    workspace._measured.clear()
+    workspace._unmeasured.clear()
 
 
 def _tracked_peak(workspace: bool) -> int:
@@ -77,7 +77,7 @@ def test_other_operators_pass_through_unmeasured() -> None:
         layer = nn.Linear(8, 8)
         with Workspace(CPU):
             layer(torch.zeros(4, 8)).sum().backward()
-    assert _workspace._measured == {}
+    assert workspace._measured == {}
     assert unmeasured_note(CPU) is None
 
 
@@ -90,7 +90,7 @@ def test_a_running_profiler_is_reported_and_not_remembered() -> None:
             _conv(x, w)
     note = unmeasured_note(CPU)
     assert note is not None and "a profiler is running" in note and "1 distinct" in note
-    assert _workspace._measured == {}  # measured next time, once the profiler has stopped
+    assert workspace._measured == {}  # measured next time, once the profiler has stopped
     assert unmeasured_note(CPU) is None  # a note covers the calls since the last one
 
 
@@ -147,10 +147,10 @@ def test_cpu_plan_counts_workspace_in_the_estimate(mixed_precision: str) -> None
         return plan.estimated_peak_bytes
 
     with_workspace = estimate()
-    measured = [v for v in _workspace._measured.values() if v is not None]
-    assert len(measured) == len(_workspace._measured) > 0
+    measured = [v for v in workspace._measured.values() if v is not None]
+    assert len(measured) == len(workspace._measured) > 0
     # the same plan with every measured workspace taken as zero: what the tracker alone sees
-    _workspace._measured.update(dict.fromkeys(_workspace._measured, 0))
+    workspace._measured.update(dict.fromkeys(workspace._measured, 0))
     without = estimate()
     # one call's workspace at a time is alive: the peak grows by at most the largest
     assert 0 < with_workspace - without <= max(measured)

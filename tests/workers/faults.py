@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import autoshard
-import autoshard._checkpoint as checkpoint_module
+import autoshard.io.checkpoint as checkpoint_module
 
 OUT = Path(os.environ.get("FAULTS_OUT", "."))
 TIMEOUT_S = 30.0  # every agreement of this worker: a hang fails in seconds, not minutes

@@ -22,7 +22,7 @@ from _hf import MODELS, ZOO, build, global_batches, shard, tied, zoo_batches
 from torch import nn
 
 import autoshard
-import autoshard._trial
+import autoshard.wrap.trial
 
 STEPS = 4
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard", "auto")
@@ -41,18 +41,18 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def _loss_spy() -> Iterator[list[bool]]:
     """Record, for each loss the trial step computes, whether it is the model's `output.loss`."""
     seen: list[bool] = []
-    original = autoshard._trial.compute_loss
+    original = autoshard.wrap.trial.compute_loss
 
     def spy(output: Any, batch: Any, loss_fn: Any) -> torch.Tensor:
         loss = original(output, batch, loss_fn)
         seen.append(loss is getattr(output, "loss", None))
         return loss
 
-    autoshard._trial.compute_loss = spy
+    autoshard.wrap.trial.compute_loss = spy
     try:
         yield seen
     finally:
-        autoshard._trial.compute_loss = original
+        autoshard.wrap.trial.compute_loss = original
 
 
 def _reference(name: str) -> list[float]:

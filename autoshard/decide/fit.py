@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from autoshard._units import human
 
 if TYPE_CHECKING:
-    from autoshard._plan import Candidate, PlanInputs
+    from autoshard.decide.plan import Candidate, PlanInputs
 
 
 class DoesNotFit(ValueError):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from autoshard._strategy import Strategy
 from autoshard._units import parse_bytes
-from autoshard._validate import parse_strategy
+from autoshard.decide.validate import parse_strategy
+from autoshard.strategies.strategy import Strategy
 
 
 def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
@@ -96,7 +96,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=_positive_int, default=5)
 
 
-def build_parser(prog: str = "python -m autoshard._demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m autoshard.cli.demo") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_options(parser)
     return parser

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoshard._optim import parameter_names, rebind
-from autoshard._strategy import Strategy
 from autoshard._world import World
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.optim import parameter_names, rebind
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
@@ -219,7 +219,7 @@ def shard_module(
     strategy: Strategy,
     dtype: torch.dtype | None,
 ) -> None:
-    """`fully_shard` each block, then the root, over `mesh` (also `_simulate`'s fake mesh); a
+    """`fully_shard` each block, then the root, over `mesh` (also `measure.simulate`'s fake mesh); a
     2-D mesh (replicate, shard) makes it HSDP."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._optim import unowned_parameters
-from autoshard._strategy import Strategy
 from autoshard._units import parse_bytes
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.optim import unowned_parameters
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
 

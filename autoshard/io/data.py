@@ -20,8 +20,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from autoshard._agree import agree
 from autoshard._world import World, resolve
+from autoshard.collective import agree
 
 # Everything a DataLoader keeps besides its dataset and sampler, carried over as it is.
 _CARRIED = (

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile
+from autoshard.measure.trace import ActivationProfile
+from autoshard.strategies.strategy import Strategy
 
 # Caching-allocator rounding and fragmentation, gloo/NCCL-internal buffers and other memory no
 # tensor accounts for, as a share of the tensor bytes. The CPU figure in DESIGN.md section 3 (DDP
@@ -35,11 +35,11 @@ class ModelStats:
         trainable_bytes: parameters with requires_grad (they get gradients and optimizer state).
         floating_numel: elements of floating-point parameters (cast under mixed precision).
         block_numel: floating elements of each repeated block (an FSDP unit each).
-        optimizer_bytes: optimizer state after its first step (`_optim.optimizer_state_bytes`).
+        optimizer_bytes: optimizer state after its first step (`optim.optimizer_state_bytes`).
         optimizer_reason: how optimizer_bytes was counted.
         input_bytes: bytes of the example batch.
         step_temporary_bytes: intermediates the optimizer step holds at once, unsharded
-            (`_optim.step_temporary_bytes`); None: assumed as large as all gradients.
+            (`optim.step_temporary_bytes`); None: assumed as large as all gradients.
     """
 
     param_bytes: int
@@ -125,7 +125,7 @@ class Footprint:
 
 @dataclass(frozen=True)
 class Phase:
-    """Bytes alive at one peak of a simulated step, per rank, by term (`_simulate`)."""
+    """Bytes alive at one peak of a simulated step, per rank, by term (`measure.simulate`)."""
 
     params: int  # stored parameters: sharded under FSDP2
     buffers: int
@@ -285,7 +285,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     )
     # A foreach optimizer materialises one parameter-sized list of intermediates at the step
     # (Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`); a single-tensor step
-    # one parameter's worth (`_optim.step_temporary_bytes`).
+    # one parameter's worth (`optim.step_temporary_bytes`).
     if stats.step_temporary_bytes is None:
         step_temp = grads if stats.optimizer_bytes else 0
     else:

@@ -1,5 +1,5 @@
-"""One training step of a fake model under torch's memory trackers (`_simulate`): the breakdown
-at the forward/backward peak and at the optimizer step's peak, as in a steady step."""
+"""One training step of a fake model under torch's memory trackers (`measure.simulate`): the
+breakdown at the forward/backward peak and at the optimizer step's peak, as in a steady step."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from autoshard._batch import call_model, compute_loss, tensors_in
-from autoshard._estimate import Phase
-from autoshard._strategy import Strategy
-from autoshard._workspace import Workspace
+from autoshard.decide.estimate import Phase
+from autoshard.measure.workspace import Workspace
+from autoshard.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
-    from autoshard._simulate import Setup
+    from autoshard.measure.simulate import Setup
 
 # Optimizers whose step creates all of its state before any arithmetic (`_init_group`), so that
 # a first step's peak is a steady step's: the measured step may be the first. Any other optimizer
@@ -42,7 +42,7 @@ def tracked_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from autoshard._apply import autocast_hooks
+    from autoshard.wrap.apply import autocast_hooks
 
     if not strategy.sharded and setup.dtype is not None:
         autocast_hooks(model, setup.device.type, setup.dtype)

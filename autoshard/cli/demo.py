@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard._options import build_parser
+from autoshard.decide.options import build_parser
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class MarkovChainData:
 def plan_example() -> tuple[GPT, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
     """The demo's model, optimizer and one per-rank batch (8 x 64), for what-if planning:
 
-    autoshard plan autoshard._demo:plan_example --world-size 8 --device-memory 80GiB
+    autoshard plan autoshard.cli.demo:plan_example --world-size 8 --device-memory 80GiB
     """
     model = GPT(GPTConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._validate import Request
 from autoshard._world import RankReport
+from autoshard.decide.validate import Request
 
 
 def fingerprint(

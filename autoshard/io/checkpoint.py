@@ -1,9 +1,9 @@
 """save() and load(): checkpoints that move between strategies and world sizes, and cannot lie.
 
-Built on torch.distributed.checkpoint (DCP, see _dcp.py), which reshards on load: a checkpoint
+Built on torch.distributed.checkpoint (DCP, see dcp.py), which reshards on load: a checkpoint
 written by FULL_SHARD on 8 ranks loads into DDP on 2 or into one plain process. This module checks
-the arguments, agreeing across ranks (`_agree`: whatever fails on one rank raises on every rank,
-none waits), and `_layout` makes the write atomic and checksummed:
+the arguments, agreeing across ranks (`collective`: whatever fails on one rank raises on every rank,
+none waits), and `io.layout` makes the write atomic and checksummed:
 
 - `save` writes into a hidden sibling directory and publishes it with renames, so `load(path)`
   reads the old checkpoint or the new one, whole, whenever the save is killed; a failed save
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._agree import PeerTimeout, agree, agree_here
-from autoshard._dcp import Saved, dcp_errors, disk_full, read, state_to_save, write
-from autoshard._layout import (
+from autoshard._world import World, resolve
+from autoshard.collective import PeerTimeout, agree, agree_here
+from autoshard.io.dcp import Saved, dcp_errors, disk_full, read, state_to_save, write
+from autoshard.io.layout import (
     DCP_METADATA,
     MARKER,
     carry_user_files,
@@ -44,9 +45,8 @@ from autoshard._layout import (
     siblings,
     verify,
 )
-from autoshard._optim import unowned_parameters
-from autoshard._snapshot import restore, take_snapshot
-from autoshard._world import World, resolve
+from autoshard.wrap.optim import unowned_parameters
+from autoshard.wrap.snapshot import restore, take_snapshot
 
 
 def save(

@@ -11,18 +11,41 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from autoshard._agree import agree
-from autoshard._apply import DTYPES, start
 from autoshard._batch import LossFn, batch_for_meta
-from autoshard._blocks import blocks_and_notes
-from autoshard._consistent import (
+from autoshard._units import parse_bytes
+from autoshard._world import (
+    Memory,
+    RankReport,
+    World,
+    launched_world_size,
+    local_memory,
+    resolve,
+)
+from autoshard.collective import agree
+from autoshard.decide.blocks import blocks_and_notes
+from autoshard.decide.consistent import (
     buffer_digests,
     fingerprint,
     raise_if_inconsistent,
     warn_if_buffers_differ,
 )
-from autoshard._data import check_dataloader, warn_if_unsharded
-from autoshard._inputs import (
+from autoshard.decide.plan import (
+    Candidate,
+    Plan,
+    after_trial,
+    all_candidates,
+    decide,
+    strategies_for,
+)
+from autoshard.decide.validate import (
+    Request,
+    check_batch_device,
+    check_model,
+    check_optimizer,
+    check_request,
+)
+from autoshard.io.data import check_dataloader, warn_if_unsharded
+from autoshard.measure.facts import (
     blocks_reason,
     forced_checkpointing,
     measure,
@@ -34,25 +57,9 @@ from autoshard._inputs import (
     with_simulation,
     worst,
 )
-from autoshard._plan import Candidate, Plan, after_trial, all_candidates, decide, strategies_for
-from autoshard._snapshot import kept_grads, put_back_grads
-from autoshard._trial import prove
-from autoshard._units import parse_bytes
-from autoshard._validate import (
-    Request,
-    check_batch_device,
-    check_model,
-    check_optimizer,
-    check_request,
-)
-from autoshard._world import (
-    Memory,
-    RankReport,
-    World,
-    launched_world_size,
-    local_memory,
-    resolve,
-)
+from autoshard.wrap.apply import DTYPES, start
+from autoshard.wrap.snapshot import kept_grads, put_back_grads
+from autoshard.wrap.trial import prove
 
 logger = logging.getLogger("autoshard")
 

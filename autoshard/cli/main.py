@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard import _demo
-from autoshard._options import (
+from autoshard.cli import demo
+from autoshard.decide.options import (
     _positive_int,
     _size_arg,
     add_decision_options,
@@ -55,20 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo_parser(sub: Any) -> None:
-    demo = sub.add_parser(
+    demo_parser = sub.add_parser(
         "demo",
         help="train a small GPT on this machine under autoshard.prepare",
         description="Train a small GPT-2-style model with autoshard.prepare. Outside torchrun, "
         "relaunches itself through torchrun with --nproc processes.",
     )
-    demo.add_argument(
+    demo_parser.add_argument(
         "--nproc",
         type=_positive_int,
         default=None,
         help="processes to launch (default: number of CUDA GPUs, else 2 on CPU)",
     )
-    add_options(demo)
-    demo.set_defaults(run=_run_demo, subparser=demo)
+    add_options(demo_parser)
+    demo_parser.set_defaults(run=_run_demo, subparser=demo_parser)
 
 
 def _add_plan_parser(sub: Any) -> None:
@@ -151,7 +151,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(
                 "autoshard demo: --nproc ignored: already running under a launcher", file=sys.stderr
             )
-        return _demo.main(demo_argv)
+        return demo.main(demo_argv)
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if args.batch_size % nproc:
         # checked here so the error comes once, before any process starts
@@ -164,7 +164,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "--nproc-per-node",
         str(nproc),
         "-m",
-        "autoshard._demo",
+        "autoshard.cli.demo",
         *demo_argv,
     ]
     print("autoshard demo: launching", " ".join(cmd[1:]), flush=True)
@@ -172,7 +172,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, minus its banner saying so
     with tempfile.TemporaryDirectory(prefix="autoshard-demo-") as tmp:
         status_file = os.path.join(tmp, "status")
-        env[_demo.STATUS_FILE_ENV] = status_file
+        env[demo.STATUS_FILE_ENV] = status_file
         returncode = subprocess.run(cmd, check=False, env=env).returncode
         if returncode != 0 or not os.path.exists(status_file):
             return returncode or 1  # a rank crashed: torchrun has said which, and how

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._apply import DTYPES
-from autoshard._blocks import find_blocks
-from autoshard._plan import Plan
-from autoshard._strategy import Strategy
 from autoshard._world import _cuda
+from autoshard.decide.blocks import find_blocks
+from autoshard.decide.plan import Plan
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.apply import DTYPES
 
 # The FSDP2 strategies accelerate's plugin expresses: ZeRO-3 (and its CPU-offloaded form)
 # reshards parameters after forward, ZeRO-2 keeps them gathered until backward. HYBRID_SHARD
@@ -124,7 +124,7 @@ def fsdp_plugin(plan: Plan, model: nn.Module, blocks: list[tuple[str, nn.Module]
     dtype = DTYPES[plan.mixed_precision]
     classes = sorted({type(module).__name__ for _, module in blocks})
     _warn_on_extra_units(model, blocks, classes)
-    # As `prepare` does (autoshard/_apply.py): parameters gathered in the compute dtype,
+    # As `prepare` does (autoshard/wrap/apply.py): parameters gathered in the compute dtype,
     # gradients reduced in fp32. No output_dtype: accelerate's autocast returns fp32 outputs.
     policy = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -143,9 +143,10 @@ def fsdp_plugin(plan: Plan, model: nn.Module, blocks: list[tuple[str, nn.Module]
 
 
 def ddp_kwargs(plan: Plan) -> Any:
-    """accelerate's DDP settings for a DDP plan, as `prepare` builds its DDP (autoshard/_apply.py):
-    gradients as views into the all-reduce buckets (one copy of the gradients fewer), and the
-    per-step search for unused parameters only when the trace found some."""
+    """accelerate's DDP settings for a DDP plan, as `prepare` builds its DDP
+    (autoshard/wrap/apply.py): gradients as views into the all-reduce buckets (one copy of the
+    gradients fewer), and the per-step search for unused parameters only when the trace found
+    some."""
     from accelerate.utils import DistributedDataParallelKwargs
 
     return DistributedDataParallelKwargs(

@@ -6,15 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autoshard._crash import candidate_crash, not_offered_note
-from autoshard._estimate import Footprint, ModelStats, Setting, Simulated, estimate, host_bytes
-from autoshard._fit import DoesNotFit, shortfall
+from autoshard._units import human
+from autoshard.decide.estimate import (
+    Footprint,
+    ModelStats,
+    Setting,
+    Simulated,
+    estimate,
+    host_bytes,
+)
+from autoshard.decide.fit import DoesNotFit, shortfall
 
 # re-exported: the cost model's inputs are imported from here (Throughput, hardware_for)
-from autoshard._hardware import Hardware, Throughput, hardware_for  # noqa: F401
-from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile
-from autoshard._units import human
+from autoshard.decide.hardware import Hardware, Throughput, hardware_for  # noqa: F401
+from autoshard.measure.crash import candidate_crash, not_offered_note
+from autoshard.measure.trace import ActivationProfile
+from autoshard.strategies.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class PlanInputs:
     reasons: tuple[str, ...] = ()
     simulated: dict[Strategy, Simulated] = field(default_factory=dict)  # per strategy, if run
     host_usable_bytes: int | None = None  # host RAM per rank for CPU offload (None: unknown)
-    # runs whose own step failed in simulation (`_crash`): their candidates are not offered
+    # runs whose own step failed in simulation (`measure.crash`): their candidates are not offered
     crashed: dict[tuple[Strategy, bool], str] = field(default_factory=dict)
 
     @property
@@ -114,12 +121,12 @@ class Plan:
         """The plan as plain JSON types (`json.dumps(plan.to_dict())`), for scripts that read
         the decision: bytes per rank as ints, `strategy` as its lower-case value, the chosen
         candidate under `chosen`. The keys are stable; new ones may be added."""
-        from autoshard._render import plan_dict
+        from autoshard.decide.render import plan_dict
 
         return plan_dict(self)
 
     def __str__(self) -> str:
-        from autoshard._render import render
+        from autoshard.decide.render import render
 
         return render(self)
 

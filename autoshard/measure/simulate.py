@@ -2,22 +2,22 @@
 torch's own memory trackers (DESIGN.md section 3).
 
 For each strategy the model is copied with fake parameters (`FakeTensorMode`: no real memory), the
-copy is wrapped exactly as `_apply` wraps the real one (FSDP2 `fully_shard` per block and root,
+copy is wrapped exactly as `wrap.apply` wraps the real one (FSDP2 `fully_shard` per block and root,
 mixed-precision policy included) over a *fake* process group (its collectives do nothing), and a
 step runs under `MemTracker` / `FSDPMemTracker`. The tracker's breakdown at two moments is kept:
 the forward/backward peak and the optimizer step's peak, as in a steady step (with the optimizer
-state alive: `_step`). Kernel workspace, which no tracker sees, is measured for real once per
-distinct convolution call and held as a fake block during each (`_workspace`).
+state alive: `measure.step`). Kernel workspace, which no tracker sees, is measured for real once per
+distinct convolution call and held as a fake block during each (`measure.workspace`).
 
 What is derived instead of simulated again:
 
 - activation checkpointing: every block checkpointed is simulated (forward and backward only)
   where it matters; k < L checkpointed blocks are derived from it and from what
-  `ActivationProfile` says each block saves (`_estimate.estimate`);
+  `ActivationProfile` says each block saves (`estimate.estimate`);
 - depth: a model of 16 or more alike blocks is simulated at 3, 4 and 5 blocks and every term
   extended linearly to its full depth (terms are sums over blocks plus a constant);
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
-  simulated to the one planned (`_estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
+  simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
 DDP is simulated unwrapped with every gradient allocated before the step and zeroed in place:
 with `gradient_as_bucket_view=True` the gradients are views of DDP's buckets, which live from
@@ -38,9 +38,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn
-from autoshard._crash import crash_of
-from autoshard._estimate import ModelStats, Phase, Simulated, shard_bytes
-from autoshard._fake import (
+from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
+from autoshard.measure.crash import crash_of
+from autoshard.measure.fake import (
     fake_copy,
     fake_mesh,
     fake_optimizer,
@@ -48,10 +48,10 @@ from autoshard._fake import (
     unavailable,
     wider_fake_kernels,
 )
-from autoshard._quiet import own_runs_quiet
-from autoshard._step import total, tracked_step, with_state
-from autoshard._strategy import Strategy
-from autoshard._workspace import unmeasured_note
+from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.step import total, tracked_step, with_state
+from autoshard.measure.workspace import unmeasured_note
+from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
 
@@ -78,7 +78,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     dtype: torch.dtype | None  # mixed-precision compute dtype
     device: torch.device
-    checkpoint_all: bool = False  # every block activation-checkpointed, as `_apply` does it
+    checkpoint_all: bool = False  # every block activation-checkpointed, as `wrap.apply` does it
     # the device the ranks train on, where kernel workspaces are measured (None: `device`)
     trains_on: torch.device | None = None
 
@@ -208,12 +208,12 @@ def wrapped_copy(
     mode: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
-    `_apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
+    `wrap.apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
     fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
     with mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
-            from autoshard._apply import checkpoint_block
+            from autoshard.wrap.apply import checkpoint_block
 
             for name in names:
                 checkpoint_block(fake.get_submodule(name))
@@ -251,7 +251,7 @@ def simulate_all(
     A run whose simulation fails (an optimizer that cannot be rebuilt on fake parameters, an
     operation fake tensors do not support) is left to the analytic estimate (or, checkpointed,
     to the derivation from the unchecked one), and the note says so; where the run's own
-    wrapping is what fails (`_crash.crash_of`), it is added to `crashes`.
+    wrapping is what fails (`crash.crash_of`), it is added to `crashes`.
     """
     reason = unavailable()
     if reason is not None:

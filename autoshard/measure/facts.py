@@ -1,5 +1,5 @@
 """What a decision is made from: the mixed precision, the traced activations, the usable memory,
-gathered into the `PlanInputs` that `_plan.decide` takes."""
+gathered into the `PlanInputs` that `plan.decide` takes."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard._apply import DTYPES, is_transformers_layer, shard_module
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
-from autoshard._estimate import Setting, model_stats
-from autoshard._fake import shallow_copy
-from autoshard._optim import optimizer_state_bytes, step_temporary_bytes
-from autoshard._plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
-from autoshard._quiet import own_runs_quiet
-from autoshard._simulate import Setup, combine, shallow_depths, simulate_all
-from autoshard._strategy import Strategy
-from autoshard._trace import ActivationProfile, extended, profile_scaled, profile_step
 from autoshard._units import human
-from autoshard._validate import Request
 from autoshard._world import Memory, RankReport
+from autoshard.decide.estimate import Setting, model_stats
+from autoshard.decide.plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
+from autoshard.decide.validate import Request
+from autoshard.measure.fake import shallow_copy
+from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.simulate import Setup, combine, shallow_depths, simulate_all
+from autoshard.measure.trace import ActivationProfile, extended, profile_scaled, profile_step
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.apply import DTYPES, is_transformers_layer, shard_module
+from autoshard.wrap.optim import optimizer_state_bytes, step_temporary_bytes
 
 logger = logging.getLogger("autoshard")
 
@@ -327,7 +327,7 @@ def with_simulation(
     strategies: tuple[Strategy, ...],
     shared: bool = False,
 ) -> PlanInputs:
-    """`inputs` with every strategy that may be tried simulated (`_simulate`). With `shared`
+    """`inputs` with every strategy that may be tried simulated (`measure.simulate`). With `shared`
     (inside a job, from `prepare`) every rank calls this at the same point: the simulations are
     shared out and gathered."""
     if batch is None:

@@ -1,7 +1,7 @@
 """The trial step: one real training step with the chosen wrapping; on an OOM on any rank, every
 rank moves to the same more frugal rung; afterwards everything is put back.
 
-What the step changes is snapshotted first and restored after (`_snapshot`), so training after
+What the step changes is snapshotted first and restored after (`wrap.snapshot`), so training after
 `prepare` starts from exactly what the caller passed in.
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._agree import (
+from autoshard._batch import LossFn, batch_to, call_model, compute_loss
+from autoshard._units import human
+from autoshard.collective import (
     ERROR,
     FINE,
     OOM,
@@ -30,14 +32,12 @@ from autoshard._agree import (
     fsdp_sync_points,
     settle,
 )
-from autoshard._apply import Wrapping, apply, ddp, gradient_sync
-from autoshard._batch import LossFn, batch_to, call_model, compute_loss
-from autoshard._inputs import held_bytes
-from autoshard._meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
-from autoshard._plan import Attempt, Candidate
-from autoshard._snapshot import restore, take_snapshot
-from autoshard._strategy import Strategy
-from autoshard._units import human
+from autoshard.decide.plan import Attempt, Candidate
+from autoshard.measure.facts import held_bytes
+from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
+from autoshard.wrap.meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
+from autoshard.wrap.snapshot import restore, take_snapshot
 
 MAX_ATTEMPTS = 4
 # What a rung whose step died of OOM is assumed to have needed, relative to the usable memory.
@@ -119,7 +119,7 @@ def _peak_meter(
     wrapping: Wrapping, optimizer: torch.optim.Optimizer, box: list[int | None]
 ) -> Iterator[Callable[[], None]]:
     """Measure the step's peak: the CUDA allocator's, or on CPU the live tensor bytes
-    (`_meter.LiveBytes`: it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
+    (`meter.LiveBytes`: it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
     device = wrapping.world.device
     if device.type == "cuda":
         # Only what this training holds counts: other tensors of the process (a teacher model, a
@@ -240,7 +240,7 @@ _ESCALATION = {
 
 
 def reachable(failed: Strategy, to: Strategy) -> bool:
-    """Whether the trial can move from `failed` to `to` in place (`_apply.apply`): unwrapping DDP
+    """Whether the trial can move from `failed` to `to` in place (`apply.apply`): unwrapping DDP
     leaves the module as it was, so anything follows DDP; ZeRO-2 becomes ZeRO-3 in place; an
     FSDP2 module cannot be re-sharded over another mesh or offloaded afterwards."""
     if failed in (Strategy.LOCAL, Strategy.DDP) or failed == to:
@@ -367,14 +367,14 @@ def _drop_trial_hooks(wrapping: Wrapping) -> None:
         wrapping.ddp = None
         gc.collect()  # the old reducer must be gone before a new one hooks the same parameters
         wrapping.ddp = ddp(wrapping)
-    from autoshard._apply import grad_scaler
+    from autoshard.wrap.apply import grad_scaler
 
     wrapping.scaler = grad_scaler(wrapping)
 
 
 def _raise_error(outcome: Outcome, wrapping: Wrapping) -> None:
     """A non-OOM failure: re-raised, unchanged, where it happened; elsewhere the same type (or a
-    PeerError) naming the rank that failed and its message (`_agree.settle`)."""
+    PeerError) naming the rank that failed and its message (`collective.settle`)."""
     settle(wrapping.world, "prepare()'s trial step", outcome.error)
     rank = outcome.codes.index(ERROR)  # settle raised unless that rank's error was lost
     raise RuntimeError(f"rank {rank} failed during prepare()'s trial step; see its traceback")
@@ -397,7 +397,7 @@ def _note_non_finite(wrapping: Wrapping, losses: list[float]) -> None:
 
 
 def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:
-    from autoshard._fit import DoesNotFit
+    from autoshard.decide.fit import DoesNotFit
 
     tried = "; ".join(
         f"{a.strategy} AC {a.activation_checkpointing}: {a.outcome}" for a in attempts

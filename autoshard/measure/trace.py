@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
-from autoshard._fake import wider_fake_kernels
+from autoshard.measure.fake import wider_fake_kernels
 
 logger = logging.getLogger("autoshard")
 

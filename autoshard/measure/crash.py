@@ -6,7 +6,7 @@ which a real step would hit too; or the memory tracker or fake tensors cannot fo
 which says nothing about the real step. To tell them apart, a failed run is stepped again on fake
 tensors without any tracker, beside one step of the plain model (unwrapped, nothing checkpointed):
 only an error of the run where the plain model steps cleanly is the wrapping's own, and its
-candidates are not offered (`_plan.decide`).
+candidates are not offered (`plan.decide`).
 """
 
 from __future__ import annotations
@@ -17,26 +17,26 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from autoshard._strategy import Strategy
+from autoshard.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
-    from autoshard._simulate import Setup
+    from autoshard.measure.simulate import Setup
 
-# One simulation: a strategy, and whether every block is checkpointed (as `_simulate.Run`)
+# One simulation: a strategy, and whether every block is checkpointed (as `simulate.Run`)
 Run = tuple[Strategy, bool]
 
 
 def fake_step(
     model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, shard: Callable[..., None]
 ) -> str | None:
-    """One training step of `strategy` on a fake copy of `model`, wrapped as `_apply` wraps it,
+    """One training step of `strategy` on a fake copy of `model`, wrapped as `wrap.apply` wraps it,
     with no memory tracker: None when it runs, else the error it raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoshard._apply import autocast_hooks
     from autoshard._batch import call_model, compute_loss
-    from autoshard._fake import wider_fake_kernels
-    from autoshard._simulate import wrapped_copy
+    from autoshard.measure.fake import wider_fake_kernels
+    from autoshard.measure.simulate import wrapped_copy
+    from autoshard.wrap.apply import autocast_hooks
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     depth = len(setup.block_names)

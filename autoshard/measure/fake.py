@@ -1,4 +1,4 @@
-"""Fake copies for the simulation (`_simulate`): the model's structure, its optimizer and its
+"""Fake copies for the simulation (`measure.simulate`): the model's structure, its optimizer and its
 batch on fake tensors (`FakeTensorMode`: no real memory), and a process group whose collectives
 do nothing."""
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from autoshard._units import human, table_unit
 
 if TYPE_CHECKING:
-    from autoshard._plan import Candidate, Plan
+    from autoshard.decide.plan import Candidate, Plan
 
 
 _HEADER = (

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autoshard._meter import caller_peak_kept
+from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
 

@@ -1,0 +1,1 @@
+"""Checkpoints (DCP), data sharding, accelerate's kwargs."""

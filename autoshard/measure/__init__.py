@@ -1,0 +1,2 @@
+"""Running the model without training it: the trace of the example batch, the fake process group
+and fake tensors, simulated steps, kernel workspace."""
