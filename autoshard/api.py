@@ -23,20 +23,14 @@ from autoshard._world import (
 )
 from autoshard.collective import agree
 from autoshard.decide.blocks import blocks_and_notes
+from autoshard.decide.candidates import after_trial, all_candidates, decide, strategies_for
 from autoshard.decide.consistent import (
     buffer_digests,
     fingerprint,
     raise_if_inconsistent,
     warn_if_buffers_differ,
 )
-from autoshard.decide.plan import (
-    Candidate,
-    Plan,
-    after_trial,
-    all_candidates,
-    decide,
-    strategies_for,
-)
+from autoshard.decide.plan import Candidate, Plan
 from autoshard.decide.validate import (
     Request,
     check_batch_device,

@@ -39,7 +39,9 @@ import autoshard
 import autoshard.api as prepare_module
 from autoshard._world import World
 from autoshard.decide.blocks import find_blocks
-from autoshard.decide.plan import PlanInputs, Throughput, hardware_for, step_seconds
+from autoshard.decide.cost import step_seconds
+from autoshard.decide.hardware import Throughput, hardware_for
+from autoshard.decide.plan import PlanInputs
 from autoshard.wrap.apply import apply, start
 from autoshard.wrap.meter import LiveBytes, held_tensors
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.decide.plan import Throughput, hardware_for
+from autoshard.decide.hardware import Throughput, hardware_for
 
 DISAGREEMENT = 0.20  # beyond this the measured figure replaces the constant
 

@@ -112,7 +112,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     ),
     (
         "MixedPrecisionPolicy(output_dtype=...)",
-        "apply.shard_module",
+        "engines.shard_module",
         "none: FSDP2 mixed precision fails",
         lambda: (
             "output_dtype"

@@ -232,7 +232,7 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
         return _gpu_checks.calibrate(device, dry_run)
 
     def accuracy() -> Any:
-        from autoshard.decide.plan import Throughput
+        from autoshard.decide.hardware import Throughput
 
         budget = BUDGETS["accuracy"][1 if dry_run else 0]
         deadline = time.time() + budget - 10  # leave time to write what finished

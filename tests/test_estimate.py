@@ -19,7 +19,8 @@ from autoshard.decide.estimate import (
     estimate,
     model_stats,
 )
-from autoshard.measure.trace import ActivationProfile, profile_step
+from autoshard.decide.profile import ActivationProfile
+from autoshard.measure.trace import profile_step
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.optim import optimizer_state_bytes
 

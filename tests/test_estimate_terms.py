@@ -15,7 +15,7 @@ from torch import nn
 
 import autoshard
 from autoshard.decide.blocks import find_blocks
-from autoshard.decide.plan import above_estimate
+from autoshard.decide.candidates import above_estimate
 from autoshard.measure.fake import wider_fake_kernels
 from autoshard.measure.trace import profile_scaled, profile_step
 

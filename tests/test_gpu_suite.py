@@ -17,7 +17,7 @@ import time
 import pytest
 from _dist import REPO, SLOW_MACHINE
 
-from autoshard.decide.plan import Throughput, hardware_for
+from autoshard.decide.hardware import Throughput, hardware_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _gpu_models  # noqa: E402

@@ -13,20 +13,12 @@ from torch import nn
 import autoshard
 from autoshard import DoesNotFit, Strategy
 from autoshard._units import human
+from autoshard.decide.candidates import candidate, decide, strategies_for
+from autoshard.decide.cost import step_seconds
 from autoshard.decide.estimate import ModelStats, Setting
-from autoshard.decide.plan import (
-    Attempt,
-    Candidate,
-    Hardware,
-    Plan,
-    PlanInputs,
-    candidate,
-    decide,
-    hardware_for,
-    step_seconds,
-    strategies_for,
-)
-from autoshard.measure.trace import ActivationProfile
+from autoshard.decide.hardware import Hardware, hardware_for
+from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
+from autoshard.decide.profile import ActivationProfile
 
 MiB = 2**20
 GiB = 2**30

@@ -20,8 +20,8 @@ from autoshard.decide.estimate import Simulated, model_stats, shard_bytes
 from autoshard.measure.fake import unavailable
 from autoshard.measure.simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
 from autoshard.measure.step import total
+from autoshard.strategies.engines import shard_module
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.apply import shard_module
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from autoshard.measure.trace import ActivationProfile
+from autoshard.decide.profile import ActivationProfile
+from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 
 # Caching-allocator rounding and fragmentation, gloo/NCCL-internal buffers and other memory no
@@ -227,7 +228,7 @@ def from_simulation(
         # (fewer checkpointed blocks only keep more alive).
         if every is not None and _sum(every) > _sum(backward):
             backward = every
-    if s.strategy == Strategy.CPU_OFFLOAD:  # state lives in host memory, the step runs there
+    if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = replace(backward, params=0, grads=0, optimizer_state=0)
         step = Phase(0, step.buffers, 0, 0, step.activations, 0, 0)
     accumulated = accumulated_grad_bytes(stats, s, backward.grads)
@@ -291,7 +292,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     else:
         step_temp = -(-stats.step_temporary_bytes // n)
     step = (params, grads, optimizer_state, 0, 0, step_temp)
-    if s.strategy == Strategy.CPU_OFFLOAD:  # state lives in host memory, the step runs there
+    if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = (0, 0, 0, *backward[3:])
         step = (0, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
@@ -312,7 +313,7 @@ def _grads_in_backward(stats: ModelStats, s: Setting, grads: int) -> int:
     the sharded ones accumulate as backward goes, next to those buffers: all of them are
     counted (an upper bound: with a small batch the end of backward is the peak).
     """
-    if s.strategy == Strategy.DDP or s.strategy.sharded:
+    if recipe(s.strategy).engine is not Engine.NONE:
         return grads
     largest_unit = max(max(stats.block_numel, default=0), stats.root_numel)
     return min(grads, largest_unit * s.param_element_bytes)
@@ -334,7 +335,7 @@ def accumulated_grad_bytes(stats: ModelStats, s: Setting, counted: int) -> int:
     """
     if s.accumulation_steps <= 1:
         return 0
-    if s.strategy == Strategy.LOCAL:
+    if recipe(s.strategy).engine is Engine.NONE:
         return max(0, stats.trainable_bytes - counted)
     return stats.trainable_bytes
 
@@ -367,7 +368,7 @@ def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -
 def host_bytes(stats: ModelStats, s: Setting) -> int:
     """Host memory one rank needs under CPU offload: its shard of parameters, gradients and
     optimizer state, and the optimizer step's temporaries (the step runs on the CPU)."""
-    if s.strategy != Strategy.CPU_OFFLOAD:
+    if not recipe(s.strategy).offload:
         return 0
     n = s.shard_degree or s.world_size
     temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0

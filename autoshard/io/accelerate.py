@@ -22,17 +22,9 @@ from torch import nn
 from autoshard._world import _cuda
 from autoshard.decide.blocks import find_blocks
 from autoshard.decide.plan import Plan
+from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import DTYPES
-
-# The FSDP2 strategies accelerate's plugin expresses: ZeRO-3 (and its CPU-offloaded form)
-# reshards parameters after forward, ZeRO-2 keeps them gathered until backward. HYBRID_SHARD
-# needs accelerate's ParallelismConfig over nodes, which the Plan does not carry.
-_RESHARD_AFTER_FORWARD = {
-    Strategy.FULL_SHARD: True,
-    Strategy.SHARD_GRAD_OP: False,
-    Strategy.CPU_OFFLOAD: True,
-}
 
 
 def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
@@ -80,7 +72,7 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
     if not _cuda():
         kwargs["cpu"] = True
     if plan.strategy.sharded:
-        if plan.strategy not in _RESHARD_AFTER_FORWARD:
+        if recipe(plan.strategy).accelerate_reshard_after_forward is None:
             raise ValueError(
                 f"the plan chose {plan.strategy}, which accelerate_kwargs does not express in "
                 f"accelerate's configuration yet (accelerate shards over nodes with "
@@ -133,7 +125,7 @@ def fsdp_plugin(plan: Plan, model: nn.Module, blocks: list[tuple[str, nn.Module]
     )
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
-        reshard_after_forward=_RESHARD_AFTER_FORWARD[plan.strategy],
+        reshard_after_forward=recipe(plan.strategy).accelerate_reshard_after_forward,
         mixed_precision_policy=policy,
         auto_wrap_policy="transformer_based_wrap" if classes else "no_wrap",
         transformer_cls_names_to_wrap=classes or None,

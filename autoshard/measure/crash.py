@@ -6,7 +6,7 @@ which a real step would hit too; or the memory tracker or fake tensors cannot fo
 which says nothing about the real step. To tell them apart, a failed run is stepped again on fake
 tensors without any tracker, beside one step of the plain model (unwrapped, nothing checkpointed):
 only an error of the run where the plain model steps cleanly is the wrapping's own, and its
-candidates are not offered (`plan.decide`).
+candidates are not offered (`candidates.decide`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from autoshard.strategies.strategy import Strategy
 if TYPE_CHECKING:
     from autoshard.measure.simulate import Setup
 
-# One simulation: a strategy, and whether every block is checkpointed (as `simulate.Run`)
-Run = tuple[Strategy, bool]
-
 
 def fake_step(
     model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, shard: Callable[..., None]
@@ -36,7 +33,7 @@ def fake_step(
     from autoshard._batch import call_model, compute_loss
     from autoshard.measure.fake import wider_fake_kernels
     from autoshard.measure.simulate import wrapped_copy
-    from autoshard.wrap.apply import autocast_hooks
+    from autoshard.strategies.engines import autocast_hooks
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     depth = len(setup.block_names)
@@ -71,25 +68,3 @@ def crash_of(
             model, replace(setup, checkpoint_all=False), Strategy.LOCAL, mesh, shard
         )
     return error if plain["error"] is None else None
-
-
-def candidate_crash(
-    crashed: dict[Run, str], simulated_as: Strategy, checkpointed: int
-) -> str | None:
-    """Why the candidate of `simulated_as` with `checkpointed` blocks would crash, or None: its
-    strategy's step fails, or (with any block checkpointed) its checkpointed step does."""
-    error = crashed.get((simulated_as, False))
-    if error is None and checkpointed:
-        error = crashed.get((simulated_as, True))
-    return error
-
-
-def not_offered_note(crashed: dict[Run, str]) -> str:
-    listed = "; ".join(
-        f"{s}{' with blocks checkpointed' if ck else ''} ({error})"
-        for (s, ck), error in sorted(crashed.items())
-    )
-    return (
-        f"not offered, as their step fails in its planning simulation (a real step would "
-        f"fail alike): {listed}"
-    )

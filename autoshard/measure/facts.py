@@ -1,5 +1,5 @@
 """What a decision is made from: the mixed precision, the traced activations, the usable memory,
-gathered into the `PlanInputs` that `plan.decide` takes."""
+gathered into the `PlanInputs` that `candidates.decide` takes."""
 
 from __future__ import annotations
 
@@ -14,15 +14,20 @@ from torch import nn
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
 from autoshard._units import human
 from autoshard._world import Memory, RankReport
+from autoshard.decide.candidates import candidate, strategies_for
 from autoshard.decide.estimate import Setting, model_stats
-from autoshard.decide.plan import SIMULATED_AS, PlanInputs, candidate, hardware_for, strategies_for
+from autoshard.decide.hardware import hardware_for
+from autoshard.decide.plan import PlanInputs
+from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure.fake import shallow_copy
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.simulate import Setup, combine, shallow_depths, simulate_all
-from autoshard.measure.trace import ActivationProfile, extended, profile_scaled, profile_step
+from autoshard.measure.trace import extended, profile_scaled, profile_step
+from autoshard.strategies.engines import is_transformers_layer, shard_module
+from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.apply import DTYPES, is_transformers_layer, shard_module
+from autoshard.wrap.apply import DTYPES
 from autoshard.wrap.optim import optimizer_state_bytes, step_temporary_bytes
 
 logger = logging.getLogger("autoshard")
@@ -334,7 +339,7 @@ def with_simulation(
         note = "estimates are analytic: no example_batch to simulate a step with"
         return replace(inputs, reasons=(*inputs.reasons, note))
     wanted = tuple(
-        dict.fromkeys(SIMULATED_AS.get(s, s) for s in strategies if request.strategy in (None, s))
+        dict.fromkeys(recipe(s).simulation for s in strategies if request.strategy in (None, s))
     )
     # A strategy whose parameters, gradients and optimizer state alone exceed the usable memory
     # does not fit whatever its activations: not worth simulating (unless forced). The most
@@ -418,9 +423,9 @@ def _to_checkpoint(
     fastest = min((c.step_seconds for c in plain if c.fits), default=float("inf"))
     return tuple(
         dict.fromkeys(
-            SIMULATED_AS.get(c.strategy, c.strategy)
+            recipe(c.strategy).simulation
             for c in plain
-            if SIMULATED_AS.get(c.strategy, c.strategy) in among
+            if recipe(c.strategy).simulation in among
             and (
                 request.activation_checkpointing is not None
                 or (not c.fits and c.step_seconds < fastest)

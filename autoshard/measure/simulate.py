@@ -213,7 +213,7 @@ def wrapped_copy(
     with mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
-            from autoshard.wrap.apply import checkpoint_block
+            from autoshard.strategies.engines import checkpoint_block
 
             for name in names:
                 checkpoint_block(fake.get_submodule(name))

@@ -42,7 +42,7 @@ def tracked_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from autoshard.wrap.apply import autocast_hooks
+    from autoshard.strategies.engines import autocast_hooks
 
     if not strategy.sharded and setup.dtype is not None:
         autocast_hooks(model, setup.device.type, setup.dtype)

@@ -6,7 +6,9 @@ import enum
 
 
 class Strategy(str, enum.Enum):
-    """How a model is wrapped, from the least to the most memory-frugal.
+    """How a model is wrapped. Each one's facts (engine, mesh, memory and cost terms, fallbacks,
+    accelerate mapping) are its recipe in `strategies.recipes.RECIPES`; from the least to the
+    most memory-frugal: LOCAL/DDP, SHARD_GRAD_OP, HYBRID_SHARD, FULL_SHARD, CPU_OFFLOAD.
 
     LOCAL: one process, no wrapper (plain `python`, or a process group of one rank).
     DDP: `DistributedDataParallel`; every rank holds the whole model, gradients and optimizer state.
@@ -32,13 +34,17 @@ class Strategy(str, enum.Enum):
 
     @property
     def sharded(self) -> bool:
-        """Wrapped with FSDP2 `fully_shard`."""
-        return self not in (Strategy.LOCAL, Strategy.DDP)
+        """Wrapped with FSDP2 `fully_shard` (read from its recipe)."""
+        from autoshard.strategies.recipes import recipe
+
+        return recipe(self).sharded
 
     @property
     def reshards(self) -> bool:
-        """Parameters are resharded after each block's forward (ZeRO-3)."""
-        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD, Strategy.CPU_OFFLOAD)
+        """Parameters are resharded after each block's forward, ZeRO-3 (read from its recipe)."""
+        from autoshard.strategies.recipes import recipe
+
+        return recipe(self).reshard_after_forward
 
     def __str__(self) -> str:
         return self.name

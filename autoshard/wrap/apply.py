@@ -16,17 +16,23 @@ without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in pl
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autoshard._world import World
+from autoshard.strategies.engines import (
+    autocast_hooks,
+    checkpoint_block,
+    make_ddp,
+    make_mesh,
+    shard_module,
+    sync_from_rank0,
+)
+from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.optim import parameter_names, rebind
 
@@ -70,25 +76,31 @@ def start(
 def apply(
     wrapping: Wrapping, optimizer: torch.optim.Optimizer, strategy: Strategy, checkpointed: int
 ) -> None:
-    """Move `wrapping` to (strategy, checkpointed). Only escalations are possible once applied:
-    more checkpointed blocks, and DDP -> SHARD_GRAD_OP -> FULL_SHARD."""
+    """Move `wrapping` to (strategy, checkpointed): the one way a model is wrapped, the first time
+    and by the trial's fallbacks. Once applied, only the moves the current recipe allows in
+    place (`Recipe.falls_back_to`) are possible, and more checkpointed blocks."""
     checkpoint_blocks(wrapping, checkpointed)
+    target = recipe(strategy)
     if wrapping.strategy == strategy:
-        if strategy == Strategy.DDP and wrapping.ddp is None:  # dropped after a failed attempt
+        if target.engine is Engine.DDP and wrapping.ddp is None:  # dropped after a failed attempt
             wrapping.ddp = ddp(wrapping)
         return
+    current = recipe(wrapping.strategy) if wrapping.strategy is not None else None
+    assert current is None or current.can_fall_back_to(strategy), (current, strategy)
     dtype = DTYPES[wrapping.mixed_precision]
-    if wrapping.strategy == Strategy.SHARD_GRAD_OP and strategy == Strategy.FULL_SHARD:
+    if current is not None and current.sharded:  # FSDP2 in place: only resharding can change
         for name in wrapping.block_names:  # the root stays gathered, as fully_shard sets it
-            wrapping.module.get_submodule(name).set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
-    elif strategy.sharded:
+            wrapping.module.get_submodule(name).set_reshard_after_forward(  # type: ignore[operator]
+                target.reshard_after_forward, recurse=False
+            )
+    elif target.sharded:
         _unwrap_ddp(wrapping)
         _fully_shard(wrapping, strategy, dtype)
     else:
         wrapping.module.to(wrapping.world.device)
         if dtype is not None and not wrapping.autocast:
             wrapping.autocast = autocast_hooks(wrapping.module, wrapping.world.device.type, dtype)
-        if strategy == Strategy.DDP:
+        if target.engine is Engine.DDP:
             wrapping.ddp = ddp(wrapping)
     wrapping.strategy = strategy
     wrapping.scaler = grad_scaler(wrapping)
@@ -103,85 +115,15 @@ def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
     wrapping.checkpointed = max(wrapping.checkpointed, count)
 
 
-def is_transformers_layer(module: nn.Module) -> bool:
-    """A transformers layer that checkpoints itself (`GradientCheckpointingLayer`)."""
-    return any(
-        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers")
-        for cls in type(module).__mro__
-    )
-
-
-def checkpoint_block(module: nn.Module) -> None:
-    """Activation-checkpoint one block. A transformers layer is checkpointed the way transformers
-    does it (`gradient_checkpointing_enable` with `use_reentrant=False`), for this layer only:
-    while training, its checkpointed forward also drops the KV cache, whose update in the
-    recomputation would make it save other tensors than the forward did (T5, Whisper:
-    "CheckpointError: ... A different number of tensors was saved"). Anything else gets torch's
-    composable `checkpoint` (hooks: the module tree and parameter names stay as they are)."""
-    if is_transformers_layer(module):
-        from torch.utils.checkpoint import checkpoint as checkpointed
-
-        setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
-        setattr(  # noqa: B010
-            module,
-            "_gradient_checkpointing_func",
-            functools.partial(checkpointed, use_reentrant=False),
-        )
-        return
-    from torch.distributed._composable import checkpoint
-
-    checkpoint(module)
-
-
-class _Autocast:
-    """Forward hooks that run a module under autocast and return floating outputs in fp32 (as
-    accelerate does), so a loss computed outside the model keeps full precision. Hooks rather
-    than a patched `forward`: the module still deep-copies (EMA, eval copies) and pickles."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
-        self.device_type = device_type
-        self.dtype = dtype
-        self.active: list[Any] = []  # one context per forward in flight (re-entrant calls)
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        context = torch.autocast(self.device_type, dtype=self.dtype)
-        context.__enter__()
-        self.active.append(context)
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self.active.pop().__exit__(None, None, None)
-        return tree_map(_to_fp32, output)
-
-
-def autocast_hooks(module: nn.Module, device_type: str, dtype: torch.dtype) -> list[Any]:
-    """Run `module` under autocast; returns the hook handles that undo it."""
-    hooks = _Autocast(device_type, dtype)
-    return [
-        module.register_forward_pre_hook(hooks.enter, prepend=True),
-        # always_call: the context is left even when forward raises (an OOM in the trial step)
-        module.register_forward_hook(hooks.leave, always_call=True),
-    ]
-
-
-def _to_fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
-        return x.float()
-    return x
-
-
 def ddp(wrapping: Wrapping) -> nn.Module:
-    world = wrapping.world
-    device_ids = [world.device.index] if world.device.type == "cuda" else None
-    # gradient_as_bucket_view: gradients are views into the all-reduce buckets, saving one full
-    # copy of the gradients (DESIGN.md section 3 measured that copy on gloo).
-    # find_unused_parameters costs a graph walk every step: only when the trace found
-    # parameters without a gradient, which otherwise make DDP fail on the second step.
-    return nn.parallel.DistributedDataParallel(
-        wrapping.module,
-        device_ids=device_ids,
-        gradient_as_bucket_view=True,
-        find_unused_parameters=wrapping.find_unused,
-    )
+    return make_ddp(wrapping.module, wrapping.world.device, wrapping.find_unused)
+
+
+def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | None) -> None:
+    module, world = wrapping.module, wrapping.world
+    sync_from_rank0(module, world.device)
+    mesh = make_mesh(recipe(strategy), world)
+    shard_module(module, wrapping.block_names, mesh, strategy, dtype)
 
 
 def _unwrap_ddp(wrapping: Wrapping) -> None:
@@ -192,80 +134,6 @@ def _unwrap_ddp(wrapping: Wrapping) -> None:
     wrapping.autocast = []
     for param in wrapping.module.parameters():
         param.grad = None  # bucket views would keep DDP's buckets alive
-
-
-def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | None) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    module, world = wrapping.module, wrapping.world
-    sync_from_rank0(module, world.device)
-    # An explicit mesh: without it FSDP2 may pick CUDA on a CPU/gloo job (DESIGN.md section 3).
-    if strategy == Strategy.HYBRID_SHARD:  # replicate across nodes, shard within each
-        nodes = world.world_size // world.local_world_size
-        mesh = init_device_mesh(
-            world.device.type,
-            (nodes, world.local_world_size),
-            mesh_dim_names=("replicate", "shard"),
-        )
-    else:
-        mesh = init_device_mesh(world.device.type, (world.world_size,))
-    shard_module(module, wrapping.block_names, mesh, strategy, dtype)
-
-
-def shard_module(
-    module: nn.Module,
-    block_names: list[str],
-    mesh: Any,
-    strategy: Strategy,
-    dtype: torch.dtype | None,
-) -> None:
-    """`fully_shard` each block, then the root, over `mesh` (also `measure.simulate`'s fake mesh); a
-    2-D mesh (replicate, shard) makes it HSDP."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-
-    reshard = strategy.reshards
-    offload = CPUOffloadPolicy() if strategy == Strategy.CPU_OFFLOAD else OffloadPolicy()
-    reduce = torch.float32 if dtype is not None else None
-    # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so a loss
-    # computed outside the model is in full precision as under autocast, without fp32 copies
-    # between blocks. A loss computed inside forward (Hugging Face style) runs in param_dtype.
-    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
-    outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
-    if dtype is not None:
-        # Batch norm keeps its running statistics in fp32, and its kernel wants input, weight and
-        # statistics in one dtype: cast to param_dtype it fails ("expected scalar type BFloat16
-        # but found Float"). As autocast does, it runs in fp32: each one its own FSDP2 unit that
-        # keeps fp32 parameters, takes its input in fp32 and hands its output back in dtype.
-        norm = MixedPrecisionPolicy(
-            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype
-        )
-        for sub in module.modules():
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and any(
-                True for _ in sub.parameters(recurse=False)
-            ):
-                fully_shard(
-                    sub,
-                    mesh=mesh,
-                    reshard_after_forward=reshard,
-                    mp_policy=norm,
-                    offload_policy=offload,
-                )
-    for name in block_names:
-        fully_shard(
-            module.get_submodule(name),
-            mesh=mesh,
-            reshard_after_forward=reshard,
-            mp_policy=inner,
-            offload_policy=offload,
-        )
-    fully_shard(
-        module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
-    )
 
 
 @contextlib.contextmanager
@@ -288,22 +156,6 @@ def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
-
-
-def sync_from_rank0(module: nn.Module, device: torch.device) -> None:
-    """Broadcast parameters and buffers from rank 0 before sharding, as DDP does on construction:
-    FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture.
-    NCCL moves only CUDA tensors: a tensor still on the host goes through a device copy, one at a
-    time, so the whole model is never on the device at once."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if device.type == "cpu" or tensor.device == device:
-                dist.broadcast(tensor.data, src=0)
-                continue
-            staged = tensor.data.to(device)
-            dist.broadcast(staged, src=0)
-            tensor.data.copy_(staged)
-            del staged
 
 
 def grad_scaler(wrapping: Wrapping) -> Any:

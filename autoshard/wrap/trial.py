@@ -34,6 +34,7 @@ from autoshard.collective import (
 )
 from autoshard.decide.plan import Attempt, Candidate
 from autoshard.measure.facts import held_bytes
+from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
 from autoshard.wrap.meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
@@ -95,7 +96,8 @@ class Outcome:
 
 @contextlib.contextmanager
 def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
-    if wrapping.strategy is not None and wrapping.strategy.sharded:
+    engine = recipe(wrapping.strategy).engine if wrapping.strategy is not None else Engine.NONE
+    if engine is Engine.FSDP2:
         with fsdp_sync_points(wrapping.module, agreement) as supported:
             note = (
                 "this torch's FSDP2 has no pluggable comms: ranks agree only before the "
@@ -228,24 +230,10 @@ def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool
     return problem
 
 
-# How frugal each wrapping is, for breaking ties between equally large estimates.
-_ESCALATION = {
-    "local": 0,
-    "ddp": 0,
-    "shard_grad_op": 1,
-    "hybrid_shard": 2,
-    "full_shard": 3,
-    "cpu_offload": 4,
-}
-
-
 def reachable(failed: Strategy, to: Strategy) -> bool:
-    """Whether the trial can move from `failed` to `to` in place (`apply.apply`): unwrapping DDP
-    leaves the module as it was, so anything follows DDP; ZeRO-2 becomes ZeRO-3 in place; an
-    FSDP2 module cannot be re-sharded over another mesh or offloaded afterwards."""
-    if failed in (Strategy.LOCAL, Strategy.DDP) or failed == to:
-        return True
-    return failed == Strategy.SHARD_GRAD_OP and to == Strategy.FULL_SHARD
+    """Whether the trial can move from `failed` to `to` in place (`apply.apply`), as the failed
+    strategy's recipe says (`Recipe.falls_back_to`)."""
+    return recipe(failed).can_fall_back_to(to)
 
 
 def next_rung(
@@ -282,7 +270,7 @@ def next_rung(
         rungs,
         key=lambda c: (
             c.estimated_peak_bytes,
-            -_ESCALATION[c.strategy.value],
+            -recipe(c.strategy).frugality,
             -c.activation_checkpointing,
         ),
         default=None,

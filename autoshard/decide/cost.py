@@ -1,0 +1,83 @@
+"""The cost model: a candidate's modelled step time, and the memory it keeps free beside its
+estimate. Generic over strategies: every strategy-specific term is read from its recipe
+(`strategies.recipes`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoshard.strategies.recipes import Engine, recipe
+from autoshard.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from autoshard.decide.plan import PlanInputs
+
+# DDP's default bucket_cap_mb=25: one all-reduce launch per bucket
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
+    """Modelled step time: compute (3x forward, plus one forward of each checkpointed block),
+    overlapped with gradient/parameter traffic, plus collective launches and FSDP2's copies.
+
+    Traffic per rank for a ring over N ranks moves (N-1)/N of the payload per pass: DDP
+    all-reduces gradients (2 passes), ZeRO-2 all-gathers parameters once and reduce-scatters
+    gradients (2 passes), ZeRO-3 all-gathers again in backward (3 passes).
+    """
+    r = recipe(strategy)
+    hw, stats, s = inputs.hardware, inputs.stats, inputs.setting
+    forward = inputs.profile.total_forward_flops if inputs.profile is not None else 0
+    recompute = inputs.profile.recompute_flops(checkpointed) if inputs.profile else 0
+    compute = (3 * forward + recompute) / hw.flops_per_s
+    n = inputs.world_size
+    ring = (n - 1) / n if n > 1 else 0.0
+    bandwidth = hw.intra_node_bytes_per_s if inputs.num_nodes <= 1 else hw.inter_node_bytes_per_s
+    gathered = stats.floating_numel * s.compute_bytes
+    reduced = stats.trainable_bytes
+    units = len(stats.block_numel) + 1
+    if r.engine is Engine.NONE:
+        return compute
+    if r.engine is Engine.DDP:
+        buckets = max(1, -(-reduced // DDP_BUCKET_BYTES))
+        return max(compute, 2 * reduced * ring / bandwidth) + buckets * hw.collective_latency_s
+    passes = r.gathers
+    copies = 2 * passes * gathered / hw.memory_bytes_per_s
+    launches = (passes + 1) * units * hw.collective_latency_s
+    if r.hybrid:
+        # all-gathers and reduce-scatters within a node; then each rank all-reduces its gradient
+        # shard (1/ranks_per_node of them) with its peers on the other nodes
+        local = inputs.ranks_per_node
+        local_ring = (local - 1) / local
+        nodes_ring = (inputs.num_nodes - 1) / inputs.num_nodes
+        traffic = (passes * gathered + reduced) * local_ring / hw.intra_node_bytes_per_s
+        traffic += 2 * (reduced / local) * nodes_ring / hw.inter_node_bytes_per_s
+        return max(compute, traffic) + copies + launches + units * hw.collective_latency_s
+    traffic = (passes * gathered + reduced) * ring / bandwidth
+    seconds = max(compute, traffic) + copies + launches
+    if r.offload:
+        # each unit's shard goes to the device twice (forward, backward), its gradient comes
+        # back, and the optimizer reads and writes parameters, gradients and state on the CPU
+        shard = stats.param_bytes / n
+        seconds += (2 * shard + stats.trainable_bytes / n) / hw.host_link_bytes_per_s
+        state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
+        seconds += 2 * state / n / hw.host_memory_bytes_per_s
+    return seconds
+
+
+def reserve_bytes(inputs: PlanInputs, strategy: Strategy) -> int:
+    """Memory kept free under FSDP2 beside the estimated peak: one FSDP unit's sharded gradient.
+
+    The simulation's collectives complete at once; real ones complete when they do, and a unit's
+    reduce-scatter output can then be allocated while the gradients it reduces still count. On 2
+    gloo ranks, ZeRO-3 over a 6-block MLP peaked at one of two values from step to step, the
+    higher one by exactly one block's sharded gradient more (compare.py, mlp `ac_only`:
+    64,968,336 or 66,746,768 bytes). Reserving the largest unit's keeps such a step within the
+    limit; DDP reduces in place and needs none."""
+    r = recipe(strategy)
+    if not r.sharded:
+        return 0
+    stats = inputs.stats
+    degree = r.shard_degree(inputs.world_size, inputs.ranks_per_node)
+    largest = max((*stats.block_numel, stats.root_numel), default=0)
+    element = stats.param_bytes / max(stats.floating_numel, 1)  # gradients in the stored dtype
+    return round(-(-largest // max(degree, 1)) * element)

@@ -1,0 +1,67 @@
+"""What the trace of the example batch found (`measure.trace`), as the estimate reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one step of the example batch saves and computes (per rank, unsharded model).
+
+    Attributes:
+        block_saved_bytes: bytes saved for backward inside each block (in block order), not
+            counting parameters, buffers and the batch, which are not new memory (autocast's
+            low-precision weight copies are, and count).
+        block_input_bytes: bytes of each block's input, which a checkpointed block still keeps.
+        before_saved_bytes: bytes saved before the first block (embeddings).
+        after_saved_bytes: bytes saved after the last block (head, loss).
+        largest_saved_bytes: the largest single saved storage; its gradient is the largest
+            temporary of backward.
+        block_forward_flops: forward FLOPs of each block.
+        total_forward_flops: forward FLOPs of the whole model and loss.
+        compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
+        unused_parameters: trainable parameters that got no gradient in the traced step (DDP
+            must then look for them every step: find_unused_parameters).
+    """
+
+    block_saved_bytes: tuple[int, ...]
+    block_input_bytes: tuple[int, ...]
+    before_saved_bytes: int
+    after_saved_bytes: int
+    largest_saved_bytes: int
+    block_forward_flops: tuple[int, ...]
+    total_forward_flops: int
+    compute_dtype: torch.dtype
+    unused_parameters: tuple[str, ...] = ()
+
+    @property
+    def other_saved_bytes(self) -> int:
+        """Saved outside the blocks: before them (embeddings) and after them (head, loss)."""
+        return self.before_saved_bytes + self.after_saved_bytes
+
+    def activation_bytes(self, checkpointed: int) -> int:
+        """Peak activation bytes with the first `checkpointed` blocks checkpointed.
+
+        A checkpointed block keeps only its input in forward (Chen et al. 2016, "Training Deep
+        Nets with Sublinear Memory Cost", section 3). Backward visits blocks in reverse, so when
+        checkpointed block j is recomputed, the head and the blocks after j have already freed
+        theirs: then alive are the tensors saved before the blocks, the inputs of blocks 0..j-1
+        and block j's recomputed saved tensors. The peak is the larger of that and the end of
+        forward.
+        """
+        saved = self.other_saved_bytes + sum(self.block_saved_bytes)
+        k = min(max(checkpointed, 0), len(self.block_saved_bytes))
+        if k == 0:
+            return saved
+        dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
+        recompute = max(
+            self.before_saved_bytes + sum(self.block_input_bytes[:j]) + self.block_saved_bytes[j]
+            for j in range(k)
+        )
+        return max(saved - dropped, recompute)
+
+    def recompute_flops(self, checkpointed: int) -> int:
+        return sum(self.block_forward_flops[: max(checkpointed, 0)])

@@ -1,0 +1,188 @@
+"""How each engine wraps a module (`strategies.recipes.Engine`): FSDP2 `fully_shard` per block
+then the root, DDP, autocast hooks for unsharded mixed precision, and activation checkpointing of
+one block. Plain torch calls on the module they are given: `wrap.apply` decides when, and keeps
+what was applied; the simulation (`measure.simulate`) wraps its fake copy through the same calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoshard._world import World
+from autoshard.strategies.recipes import Recipe, recipe
+from autoshard.strategies.strategy import Strategy
+
+
+def checkpoint_block(module: nn.Module) -> None:
+    """Activation-checkpoint one block. A transformers layer is checkpointed the way transformers
+    does it (`gradient_checkpointing_enable` with `use_reentrant=False`), for this layer only:
+    while training, its checkpointed forward also drops the KV cache, whose update in the
+    recomputation would make it save other tensors than the forward did (T5, Whisper:
+    "CheckpointError: ... A different number of tensors was saved"). Anything else gets torch's
+    composable `checkpoint` (hooks: the module tree and parameter names stay as they are)."""
+    if is_transformers_layer(module):
+        from torch.utils.checkpoint import checkpoint as checkpointed
+
+        setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
+        setattr(  # noqa: B010
+            module,
+            "_gradient_checkpointing_func",
+            functools.partial(checkpointed, use_reentrant=False),
+        )
+        return
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def is_transformers_layer(module: nn.Module) -> bool:
+    """A transformers layer that checkpoints itself (`GradientCheckpointingLayer`)."""
+    return any(
+        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers")
+        for cls in type(module).__mro__
+    )
+
+
+class _Autocast:
+    """Forward hooks that run a module under autocast and return floating outputs in fp32 (as
+    accelerate does), so a loss computed outside the model keeps full precision. Hooks rather
+    than a patched `forward`: the module still deep-copies (EMA, eval copies) and pickles."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self.active: list[Any] = []  # one context per forward in flight (re-entrant calls)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        context = torch.autocast(self.device_type, dtype=self.dtype)
+        context.__enter__()
+        self.active.append(context)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self.active.pop().__exit__(None, None, None)
+        return tree_map(_to_fp32, output)
+
+
+def autocast_hooks(module: nn.Module, device_type: str, dtype: torch.dtype) -> list[Any]:
+    """Run `module` under autocast; returns the hook handles that undo it."""
+    hooks = _Autocast(device_type, dtype)
+    return [
+        module.register_forward_pre_hook(hooks.enter, prepend=True),
+        # always_call: the context is left even when forward raises (an OOM in the trial step)
+        module.register_forward_hook(hooks.leave, always_call=True),
+    ]
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
+        return x.float()
+    return x
+
+
+def sync_from_rank0(module: nn.Module, device: torch.device) -> None:
+    """Broadcast parameters and buffers from rank 0 before sharding, as DDP does on construction:
+    FSDP2 takes each rank's own slice, so ranks initialised differently would train a mixture.
+    NCCL moves only CUDA tensors: a tensor still on the host goes through a device copy, one at a
+    time, so the whole model is never on the device at once."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if device.type == "cpu" or tensor.device == device:
+                dist.broadcast(tensor.data, src=0)
+                continue
+            staged = tensor.data.to(device)
+            dist.broadcast(staged, src=0)
+            tensor.data.copy_(staged)
+            del staged
+
+
+def shard_module(
+    module: nn.Module,
+    block_names: list[str],
+    mesh: Any,
+    strategy: Strategy,
+    dtype: torch.dtype | None,
+) -> None:
+    """`fully_shard` each block, then the root, over `mesh` (also `measure.simulate`'s fake mesh); a
+    2-D mesh (replicate, shard) makes it HSDP."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    r = recipe(strategy)
+    reshard = r.reshard_after_forward
+    offload = CPUOffloadPolicy() if r.offload else OffloadPolicy()
+    reduce = torch.float32 if dtype is not None else None
+    # Blocks keep their outputs in the compute dtype; only the root casts back to fp32, so a loss
+    # computed outside the model is in full precision as under autocast, without fp32 copies
+    # between blocks. A loss computed inside forward (Hugging Face style) runs in param_dtype.
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
+    outer = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=reduce)
+    if dtype is not None:
+        # Batch norm keeps its running statistics in fp32, and its kernel wants input, weight and
+        # statistics in one dtype: cast to param_dtype it fails ("expected scalar type BFloat16
+        # but found Float"). As autocast does, it runs in fp32: each one its own FSDP2 unit that
+        # keeps fp32 parameters, takes its input in fp32 and hands its output back in dtype.
+        norm = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype
+        )
+        for sub in module.modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and any(
+                True for _ in sub.parameters(recurse=False)
+            ):
+                fully_shard(
+                    sub,
+                    mesh=mesh,
+                    reshard_after_forward=reshard,
+                    mp_policy=norm,
+                    offload_policy=offload,
+                )
+    for name in block_names:
+        fully_shard(
+            module.get_submodule(name),
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=inner,
+            offload_policy=offload,
+        )
+    fully_shard(
+        module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
+    )
+
+
+def make_ddp(module: nn.Module, device: torch.device, find_unused: bool) -> nn.Module:
+    """`DistributedDataParallel` as autoshard builds it."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    # gradient_as_bucket_view: gradients are views into the all-reduce buckets, saving one full
+    # copy of the gradients (DESIGN.md section 3 measured that copy on gloo).
+    # find_unused_parameters costs a graph walk every step: only when the trace found
+    # parameters without a gradient, which otherwise make DDP fail on the second step.
+    return nn.parallel.DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused,
+    )
+
+
+def make_mesh(r: Recipe, world: World) -> Any:
+    """The device mesh `r` shards over. An explicit mesh: without it FSDP2 may pick CUDA on a
+    CPU/gloo job (DESIGN.md section 3). A hybrid recipe replicates across nodes and shards within
+    each (a 2-D mesh: HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if r.hybrid:
+        return init_device_mesh(
+            world.device.type,
+            (world.world_size // world.local_world_size, world.local_world_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return init_device_mesh(world.device.type, (world.world_size,))

@@ -1,0 +1,193 @@
+"""What each strategy is, in one place: one `Recipe` per `Strategy`, in the `RECIPES` registry.
+
+Everything else reads a strategy's facts from its recipe, never by comparing strategies:
+the planner its availability, memory and cost terms and what it is simulated as; `wrap.apply`
+its engine, mesh and wrapping; the trial its in-place fallbacks, sync points and tie-breaking
+order; `io.accelerate` its accelerate mapping. Adding a strategy (ZeRO-1, tensor parallelism, a
+new offload) is adding a recipe here; docs/architecture.md lists what a recipe must provide.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autoshard.strategies.strategy import Strategy
+
+
+class Engine(enum.Enum):
+    """The torch engine a strategy wraps with; it fixes the sync points the trial step uses."""
+
+    NONE = "none"  # the module itself, in one process
+    DDP = "ddp"  # torch.nn.parallel.DistributedDataParallel: gradients all-reduced in buckets
+    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard per block, then the root
+
+
+@dataclass(frozen=True)
+class Job:
+    """What decides which strategies a job can use."""
+
+    world_size: int
+    distributed: bool  # a process group exists or is planned for (what-if)
+    num_nodes: int
+    device_type: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One strategy, whole. Fields are facts the generic code reads; none is a per-strategy branch.
+
+    Memory terms (`decide.estimate`): `engine` FSDP2 shards parameters, gradients and optimizer
+    state over `shard_degree` ranks; DDP holds every gradient in its buckets from construction;
+    `reshard_after_forward` frees each block's gathered parameters after its forward (ZeRO-3);
+    `offload` keeps the sharded state in host memory. Cost terms (`decide.cost`): parameter
+    all-gathers per step (`gathers`), and `hybrid` traffic split between intra- and inter-node.
+    """
+
+    strategy: Strategy
+    engine: Engine
+    # Why it cannot be used by a job, or None where it can; the text is the error a forced
+    # choice gets, so it says what to use instead.
+    unavailable: Callable[[Job], str | None]
+    reshard_after_forward: bool = False
+    offload: bool = False  # FSDP2 CPUOffloadPolicy
+    hybrid: bool = False  # 2-D mesh (replicate across nodes, shard within each)
+    # Estimated from another strategy's simulation (the same FSDP2 step at another sharding
+    # degree, or with the state moved to the host); None: simulated as itself.
+    simulated_as: Strategy | None = None
+    # How frugal it is, for breaking ties between equally large estimates on the trial's ladder.
+    frugality: int = 0
+    # The strategies the trial can move to in place after this one ran out of memory; None: any
+    # (unwrapping DDP leaves the module as it was). An FSDP2 module cannot be re-sharded over
+    # another mesh or offloaded afterwards.
+    falls_back_to: frozenset[Strategy] | None = frozenset()
+    # accelerate's FullyShardedDataParallelPlugin(reshard_after_forward=...) for this strategy;
+    # None where accelerate's plugin does not express it (`io.accelerate`): HYBRID_SHARD needs
+    # accelerate's ParallelismConfig over nodes, which the Plan does not carry.
+    accelerate_reshard_after_forward: bool | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.engine is Engine.FSDP2
+
+    @property
+    def gathers(self) -> int:
+        """Parameter all-gathers per step: ZeRO-2 once (forward), ZeRO-3 again in backward."""
+        if not self.sharded:
+            return 0
+        return 2 if self.reshard_after_forward else 1
+
+    @property
+    def simulation(self) -> Strategy:
+        """The strategy whose simulated step estimates this one."""
+        return self.simulated_as or self.strategy
+
+    def shard_degree(self, world_size: int, ranks_per_node: int) -> int:
+        """Ranks the state is sharded over (1: replicated)."""
+        if not self.sharded:
+            return 1
+        return ranks_per_node if self.hybrid else world_size
+
+    def can_fall_back_to(self, other: Strategy) -> bool:
+        """Whether the trial can move from this strategy to `other` in place (`wrap.apply`)."""
+        if other == self.strategy or self.falls_back_to is None:
+            return True
+        return other in self.falls_back_to
+
+
+def _local(job: Job) -> str | None:
+    if job.world_size == 1:
+        return None
+    return (
+        f"strategy LOCAL trains one process unwrapped, but this job has {job.world_size} ranks; "
+        f"choose 'ddp', 'shard_grad_op', 'full_shard' or 'auto'"
+    )
+
+
+def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
+    def check(job: Job) -> str | None:
+        if job.distributed:
+            return None
+        return (
+            f"strategy {strategy} needs a process group; launch with torchrun or accelerate "
+            f"launch (or use strategy='auto', which trains one process unwrapped)"
+        )
+
+    return check
+
+
+def _hybrid(job: Job) -> str | None:
+    if 1 < job.num_nodes <= job.world_size and job.world_size % job.num_nodes == 0:
+        return _needs_group(Strategy.HYBRID_SHARD)(job)
+    return (
+        f"strategy HYBRID_SHARD shards within a node and replicates across nodes, but the "
+        f"{job.world_size} rank(s) are on {job.num_nodes} node(s) (it needs more than one, each "
+        f"with the same number of ranks); use 'full_shard'"
+    )
+
+
+def _offload(job: Job) -> str | None:
+    if job.device_type == "cuda":
+        return _needs_group(Strategy.CPU_OFFLOAD)(job)
+    return (
+        "strategy CPU_OFFLOAD moves state from GPU memory to host memory, but this job trains "
+        "on the CPU already; use 'full_shard'"
+    )
+
+
+# In the order the planner lists candidates, least to most memory-frugal.
+RECIPES: dict[Strategy, Recipe] = {
+    r.strategy: r
+    for r in (
+        Recipe(Strategy.LOCAL, Engine.NONE, _local, falls_back_to=None),
+        Recipe(Strategy.DDP, Engine.DDP, _needs_group(Strategy.DDP), falls_back_to=None),
+        Recipe(
+            Strategy.SHARD_GRAD_OP,
+            Engine.FSDP2,
+            _needs_group(Strategy.SHARD_GRAD_OP),
+            frugality=1,
+            falls_back_to=frozenset({Strategy.FULL_SHARD}),
+            accelerate_reshard_after_forward=False,
+        ),
+        Recipe(
+            Strategy.FULL_SHARD,
+            Engine.FSDP2,
+            _needs_group(Strategy.FULL_SHARD),
+            reshard_after_forward=True,
+            frugality=3,
+            accelerate_reshard_after_forward=True,
+        ),
+        Recipe(
+            Strategy.HYBRID_SHARD,
+            Engine.FSDP2,
+            _hybrid,
+            reshard_after_forward=True,
+            hybrid=True,
+            simulated_as=Strategy.FULL_SHARD,
+            frugality=2,
+        ),
+        Recipe(
+            Strategy.CPU_OFFLOAD,
+            Engine.FSDP2,
+            _offload,
+            reshard_after_forward=True,
+            offload=True,
+            simulated_as=Strategy.FULL_SHARD,
+            frugality=4,
+            accelerate_reshard_after_forward=True,
+        ),
+    )
+}
+
+
+def recipe(strategy: Strategy) -> Recipe:
+    return RECIPES[strategy]
+
+
+def available(job: Job) -> tuple[Strategy, ...]:
+    """The strategies this job can use, in registry order. Without a process group only LOCAL;
+    with one rank the wrappers work but buy nothing (auto keeps LOCAL; a forced one is obeyed)."""
+    if not job.distributed:
+        return (Strategy.LOCAL,)
+    return tuple(s for s, r in RECIPES.items() if r.unavailable(job) is None)
