@@ -109,7 +109,8 @@ def shard_module(
     dtype: torch.dtype | None,
 ) -> None:
     """`fully_shard` each block, then the root, over `mesh` (also `measure.simulate`'s fake mesh); a
-    2-D mesh (replicate, shard) makes it HSDP."""
+    2-D mesh (replicate, shard) makes it HSDP. Blocks reshard after forward as the recipe says;
+    the root as torch's default does."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -153,9 +154,19 @@ def shard_module(
             mp_policy=inner,
             offload_policy=offload,
         )
-    fully_shard(
-        module, mesh=mesh, reshard_after_forward=reshard, mp_policy=outer, offload_policy=offload
-    )
+    # The root's resharding is left to torch's default (None: stay gathered, since backward needs
+    # the root first), as torchtitan leaves it; `set_unit_resharding` keeps it so in place.
+    fully_shard(module, mesh=mesh, mp_policy=outer, offload_policy=offload)
+
+
+def set_unit_resharding(module: nn.Module, reshard_after_forward: bool) -> None:
+    """Switch every FSDP2 unit under the root (blocks, batch norms) between ZeRO-2 and ZeRO-3 in
+    place, as `shard_module` would have built it; the root keeps torch's default."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            sub.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 def make_ddp(module: nn.Module, device: torch.device, find_unused: bool) -> nn.Module:

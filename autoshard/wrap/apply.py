@@ -29,6 +29,7 @@ from autoshard.strategies.engines import (
     checkpoint_block,
     make_ddp,
     make_mesh,
+    set_unit_resharding,
     shard_module,
     sync_from_rank0,
 )
@@ -89,10 +90,7 @@ def apply(
     assert current is None or current.can_fall_back_to(strategy), (current, strategy)
     dtype = DTYPES[wrapping.mixed_precision]
     if current is not None and current.sharded:  # FSDP2 in place: only resharding can change
-        for name in wrapping.block_names:  # the root stays gathered, as fully_shard sets it
-            wrapping.module.get_submodule(name).set_reshard_after_forward(  # type: ignore[operator]
-                target.reshard_after_forward, recurse=False
-            )
+        set_unit_resharding(wrapping.module, target.reshard_after_forward)
     elif target.sharded:
         _unwrap_ddp(wrapping)
         _fully_shard(wrapping, strategy, dtype)
