@@ -36,7 +36,7 @@ import torch.distributed as dist
 from _gpu_models import build, configs, models_for
 
 import autoshard
-import autoshard.api as prepare_module
+import autoshard.pipeline as pipeline_module
 from autoshard._world import World
 from autoshard.decide.blocks import find_blocks
 from autoshard.decide.cost import step_seconds
@@ -123,13 +123,13 @@ def chosen(plan: autoshard.Plan) -> Any:
 def captured_inputs() -> Iterator[list[PlanInputs]]:
     """The decision's inputs as `prepare`/`plan` hand them to `decide` (for the cost model)."""
     seen: list[PlanInputs] = []
-    real = prepare_module.decide
+    real = pipeline_module.decide
 
     def spy(inputs: PlanInputs, *args: Any, **kwargs: Any) -> Any:
         seen.append(inputs)
         return real(inputs, *args, **kwargs)
 
-    with mock.patch.object(prepare_module, "decide", spy):
+    with mock.patch.object(pipeline_module, "decide", spy):
         yield seen
 
 

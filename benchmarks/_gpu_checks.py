@@ -150,7 +150,7 @@ def estimate_missing_activations() -> Iterator[None]:
         return dataclasses.replace(measured, profile=shrunk)
 
     with (
-        mock.patch("autoshard.api.measure", missing),
+        mock.patch("autoshard.pipeline.measure", missing),
         mock.patch(
             "autoshard.measure.facts.simulate_all", lambda *a, **k: ({}, "not simulated (stand-in)")
         ),

@@ -17,6 +17,7 @@ from autoshard._world import Memory, RankReport
 from autoshard.decide.candidates import candidate, strategies_for
 from autoshard.decide.estimate import Setting, model_stats
 from autoshard.decide.hardware import hardware_for
+from autoshard.decide.job import Ranks, Work
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
@@ -218,19 +219,16 @@ def usable_memory(reports: list[RankReport], limit: int | None) -> tuple[int, st
 
 
 def plan_inputs(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    work: Work,
     blocks: list[nn.Module],
-    batch: Any,
     profile: ActivationProfile | None,
-    world_size: int,
-    num_nodes: int,
-    usable: int,
-    device: torch.device,
+    ranks: Ranks,
     mixed_precision: str,
     reasons: list[str],
-    accumulation_steps: int = 1,
 ) -> PlanInputs:
+    """The facts a decision is made from, for `ranks` training `work`."""
+    model, optimizer, batch = work.model, work.optimizer, work.batch
+    device, accumulation_steps = ranks.device, work.request.accumulation_steps
     opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
     stats = model_stats(
         model,
@@ -245,9 +243,9 @@ def plan_inputs(
     )
     dtype = DTYPES[mixed_precision]
     setting = Setting(
-        strategy=strategies_for(world_size, True)[0],
+        strategy=strategies_for(ranks.world_size, True)[0],
         checkpointed=0,
-        world_size=world_size,
+        world_size=ranks.world_size,
         compute_bytes=torch.empty((), dtype=dtype).element_size() if dtype else element,
         param_element_bytes=element,
         device_type=device.type,
@@ -264,9 +262,9 @@ def plan_inputs(
     return PlanInputs(
         stats=stats,
         profile=profile,
-        world_size=world_size,
-        num_nodes=num_nodes,
-        usable_bytes=usable,
+        world_size=ranks.world_size,
+        num_nodes=ranks.num_nodes,
+        usable_bytes=ranks.usable_bytes,
         setting=setting,
         hardware=hardware_for(device.type, capability, dtype is not None),
         num_blocks=len(blocks),
@@ -322,19 +320,17 @@ def blocks_reason(model: nn.Module, names: list[str]) -> str:
 
 def with_simulation(
     inputs: PlanInputs,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    work: Work,
     block_names: list[str],
-    batch: Any,
-    loss_fn: LossFn | None,
     device: torch.device,
-    request: Request,
     strategies: tuple[Strategy, ...],
     shared: bool = False,
 ) -> PlanInputs:
     """`inputs` with every strategy that may be tried simulated (`measure.simulate`). With `shared`
     (inside a job, from `prepare`) every rank calls this at the same point: the simulations are
     shared out and gathered."""
+    model, optimizer, batch = work.model, work.optimizer, work.batch
+    loss_fn, request = work.loss_fn, work.request
     if batch is None:
         note = "estimates are analytic: no example_batch to simulate a step with"
         return replace(inputs, reasons=(*inputs.reasons, note))

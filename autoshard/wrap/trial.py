@@ -13,13 +13,13 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from autoshard._batch import LossFn, batch_to, call_model, compute_loss
+from autoshard._batch import batch_to, call_model, compute_loss
 from autoshard._units import human
 from autoshard.collective import (
     ERROR,
@@ -32,6 +32,7 @@ from autoshard.collective import (
     fsdp_sync_points,
     settle,
 )
+from autoshard.decide.job import Decision, Work
 from autoshard.decide.plan import Attempt, Candidate
 from autoshard.measure.facts import held_bytes
 from autoshard.strategies.recipes import Engine, recipe
@@ -54,16 +55,12 @@ def is_oom(error: BaseException) -> bool:
 
 
 def run_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: LossFn | None,
-    scaler: Any,
-    agreement: Agreement | None = None,
-    accumulation_steps: int = 1,
+    model: nn.Module, work: Work, scaler: Any, agreement: Agreement | None = None
 ) -> float:
     """Forward and backward on `accumulation_steps` micro-batches (gradient sync off on all but
     the last), optimizer step, gradients cleared: one step as a training loop runs it."""
+    optimizer, batch, loss_fn = work.optimizer, work.batch, work.loss_fn
+    accumulation_steps = work.request.accumulation_steps
     for micro in range(accumulation_steps):
         with gradient_sync(model, on=micro == accumulation_steps - 1):
             output = call_model(model, batch)
@@ -143,17 +140,10 @@ def _peak_meter(
         box[0] = meter.peak
 
 
-def attempt(
-    wrapping: Wrapping,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: LossFn | None,
-    usable: int,
-    limit: int | None,
-    accumulation_steps: int = 1,
-) -> Outcome:
+def attempt(wrapping: Wrapping, work: Work, usable: int) -> Outcome:
     """The trial under sync points (two steps for a fresh optimizer); every rank leaves with the
     same codes."""
+    optimizer, limit = work.optimizer, work.request.memory_limit
     agreement = Agreement(wrapping.world)
     error: Exception | None = None
     box: list[int | None] = [None]
@@ -173,17 +163,7 @@ def attempt(
                 for index in range(steps):
                     if index:
                         between_steps()
-                    losses.append(
-                        run_step(
-                            wrapping.model,
-                            optimizer,
-                            batch,
-                            loss_fn,
-                            wrapping.scaler,
-                            agreement,
-                            accumulation_steps,
-                        )
-                    )
+                    losses.append(run_step(wrapping.model, work, wrapping.scaler, agreement))
             except PeerFailed:
                 pass
             except Exception as caught:  # classified below, outside the except block
@@ -287,35 +267,25 @@ class TrialResult:
     notes: tuple[str, ...]
 
 
-def prove(
-    wrapping: Wrapping,
-    optimizer: torch.optim.Optimizer,
-    first: Candidate,
-    options: list[Candidate],
-    batch: Any,
-    loss_fn: LossFn | None,
-    trial_step: bool,
-    usable: int,
-    limit: int | None,
-    accumulation_steps: int = 1,
-) -> TrialResult:
-    """Apply `first`; with a trial step, train one step, fall back together on OOM, restore."""
+def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
+    """Apply the decision's first rung; with a trial step, train one step, fall back together on
+    OOM, restore."""
+    optimizer, first, options = work.optimizer, decision.first, list(decision.rungs)
+    usable = decision.plan.device_memory_bytes
     apply(wrapping, optimizer, first.strategy, first.activation_checkpointing)
-    if not trial_step or batch is None:
+    if not work.trial_step or work.batch is None:
         why = (
             "trial step off (trial_step=False)"
-            if not trial_step
+            if not work.trial_step
             else "no example_batch: no trial step"
         )
         return TrialResult(first, (), None, (why,))
-    batch = batch_to(batch, wrapping.world.device)
+    work = replace(work, batch=batch_to(work.batch, wrapping.world.device))
     current, attempts, tried = first, [], set()
     while True:
         snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
         try:
-            outcome = attempt(
-                wrapping, optimizer, batch, loss_fn, usable, limit, accumulation_steps
-            )
+            outcome = attempt(wrapping, work, usable)
         except BaseException:
             # The agreement itself failed (a peer died or stalled): this rank still goes back to
             # what the caller passed in before raising.

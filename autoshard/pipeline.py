@@ -1,0 +1,222 @@
+"""The one decision pipeline that `prepare` and `plan` both run:
+
+    gather (this rank's facts) -> agree (every rank's; a no-op for plan) -> simulate -> decide
+
+`prepare` runs it on every rank of a live job (`Target.in_job`): whatever fails on one rank
+while gathering is raised on every rank (`collective.agree`), the ranks' facts are checked
+against each other, and the simulations are shared out among them. `plan` runs it in one
+process, for any world size (what-if).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard._batch import batch_for_meta
+from autoshard._world import Memory, RankReport, World, local_memory
+from autoshard.collective import agree
+from autoshard.decide.blocks import blocks_and_notes
+from autoshard.decide.candidates import all_candidates, decide, strategies_for
+from autoshard.decide.consistent import (
+    buffer_digests,
+    fingerprint,
+    raise_if_inconsistent,
+    warn_if_buffers_differ,
+)
+from autoshard.decide.job import Decision, Ranks, Work
+from autoshard.decide.validate import (
+    check_batch_device,
+    check_model,
+    check_optimizer,
+    check_request,
+)
+from autoshard.io.data import check_dataloader
+from autoshard.measure.facts import (
+    blocks_reason,
+    forced_checkpointing,
+    measure,
+    plan_inputs,
+    resolve_mixed_precision,
+    usable_host_memory,
+    usable_memory,
+    with_resident,
+    with_simulation,
+    worst,
+)
+from autoshard.wrap.apply import DTYPES
+
+logger = logging.getLogger("autoshard")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the caller passed, not validated yet (validating is part of gathering)."""
+
+    model: Any
+    optimizer: Any
+    batch: Any
+    loss_fn: Any
+    options: dict[str, Any]  # strategy, mixed_precision, ..., as `check_request` takes them
+    dataloader: Any = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """Facts about the job decided for, known before anything is measured."""
+
+    world: World  # this process
+    world_size: int  # ranks decided for
+    distributed: bool  # the ranks run under a process group (a what-if assumes one)
+    device: torch.device  # what the ranks train on
+    in_job: bool  # every rank of a live job runs the pipeline together (prepare)
+    num_nodes: int | None = None  # None: from the ranks' hosts and the launcher's layout
+    memory: Memory | None = None  # the device memory per rank; None: measured on each rank
+    simulate: bool = True  # False: a what-if for another size inside a job, by formula
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """One rank's facts: its report to the others, and what stays here."""
+
+    report: RankReport
+    work: Work
+    blocks: list[tuple[str, nn.Module]]
+    mixed_precision: str
+    reasons: list[str]
+    meta_note: tuple[str, ...]  # the batch was moved to meta for a model on meta
+
+
+def run(call: Call, target: Target) -> tuple[Decision, Work]:
+    """Gather, agree, simulate, decide: the same decision on every rank of a job."""
+    here: dict[str, _Gathered] = {}
+
+    def gather_here() -> RankReport:
+        here["gathered"] = gather(call, target)
+        return here["gathered"].report
+
+    world = target.world
+    if target.in_job:
+        reports = agree(world, "prepare()", gather_here)
+        raise_if_inconsistent(reports)
+        differing = warn_if_buffers_differ(reports, world.rank)
+    else:
+        reports, differing = [gather_here()], []
+    gathered = here["gathered"]
+    reasons = list(gathered.reasons)
+    if differing:
+        reasons.append(
+            f"{len(differing)} buffer(s) differed between ranks (e.g. '{differing[0]}'): every "
+            f"rank now holds rank 0's"
+        )
+    unused = tuple(
+        dict.fromkeys(
+            n for r in reports if r.measured.profile for n in r.measured.profile.unused_parameters
+        )
+    )
+    if unused and target.in_job:
+        reasons.append(
+            f"{len(unused)} trainable parameter(s) got no gradient in the traced step (e.g. "
+            f"'{unused[0]}'): under DDP, find_unused_parameters=True"
+        )
+    decision = _decide(gathered, reports, target, reasons, unused)
+    return decision, gathered.work
+
+
+def gather(call: Call, target: Target) -> _Gathered:
+    """Check the call and measure on this rank: blocks, mixed precision, the traced step, the
+    memory free."""
+    world = target.world
+    check_model(call.model, allow_meta=not target.in_job)  # a what-if needs only shapes
+    check_optimizer(call.model, call.optimizer)
+    request = check_request(loss_fn=call.loss_fn, **call.options)
+    check_dataloader(call.dataloader)
+    check_batch_device(call.batch, request_trial=bool(call.options["trial_step"]))
+    model, optimizer = call.model, call.optimizer
+    blocks, block_notes = blocks_and_notes(model)
+    names = [n for n, _ in blocks]
+    mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target.device, model)
+    batch, meta_note = batch_for_meta(model, call.batch)
+    progress(target, "tracing one step of the example batch for its activations")
+    measured = measure(model, [m for _, m in blocks], batch, call.loss_fn, DTYPES[mp], names)
+    if measured.user_error is not None:
+        raise ValueError(measured.user_error)
+    memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)
+    in_job = target.in_job
+    report = RankReport(
+        world.rank,
+        socket.gethostname(),
+        memory,
+        fingerprint(model, optimizer, batch, request, call.loss_fn, call.options["trial_step"])
+        if in_job
+        else (),
+        None,
+        measured,
+        buffer_digests(model) if in_job else {},
+    )
+    work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
+    reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]
+    meta = () if meta_note is None else (meta_note,)
+    return _Gathered(report, work, blocks, mp, [*reasons, *block_notes], meta)
+
+
+def _decide(
+    gathered: _Gathered,
+    reports: list[RankReport],
+    target: Target,
+    reasons: list[str],
+    unused: tuple[str, ...],
+) -> Decision:
+    """Simulate and decide from the agreed reports (the same on every rank)."""
+    work, request = gathered.work, gathered.work.request
+    blocks = [m for _, m in gathered.blocks]
+    usable, usable_reason = usable_memory(reports, request.memory_limit)
+    num_nodes = target.num_nodes or _nodes(reports, target.world)
+    inputs = plan_inputs(
+        work,
+        blocks,
+        worst([r.measured.profile for r in reports]),
+        Ranks(target.world_size, num_nodes, usable, target.device),
+        gathered.mixed_precision,
+        [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
+    )
+    inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
+    strategies = strategies_for(
+        target.world_size, target.distributed, num_nodes, target.device.type
+    )
+    names = [n for n, _ in gathered.blocks]
+    if not target.simulate:
+        note = (
+            f"estimates are analytic: a what-if for {target.world_size} ranks in a job of "
+            f"{target.world.world_size}"
+        )
+        inputs = replace(inputs, reasons=(*inputs.reasons, note))
+    else:
+        if target.in_job and target.world.distributed:  # one process: the simulation says so
+            progress(target, f"simulating {', '.join(map(str, strategies))} on fake tensors")
+        inputs = with_simulation(inputs, work, names, target.device, strategies, target.in_job)
+    forced_ac = forced_checkpointing(request, len(blocks))
+    plan = replace(
+        decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=unused
+    )
+    first = plan.chosen
+    rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
+    return Decision(plan, first, tuple(rungs), tuple(names), bool(unused))
+
+
+def progress(target: Target, message: str) -> None:
+    """What the pipeline is doing, once (rank 0 of a job), through the "autoshard" logger: INFO,
+    so shown when the script enables it (`logging.basicConfig(level=logging.INFO)`)."""
+    if not target.in_job or target.world.rank == 0:
+        logger.info(message)
+
+
+def _nodes(reports: list[RankReport], world: World) -> int:
+    """Nodes the job spans: distinct hosts, or as the launcher laid the ranks out
+    (WORLD_SIZE / LOCAL_WORLD_SIZE), whichever is more."""
+    return max(len({r.host for r in reports}), world.world_size // max(world.local_world_size, 1))
