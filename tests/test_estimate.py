@@ -19,10 +19,10 @@ from autoshard.decide.estimate import (
     estimate,
     model_stats,
 )
+from autoshard.decide.optimizer import optimizer_state_bytes
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.trace import profile_step
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.optim import optimizer_state_bytes
 
 FP32 = 4
 BF16 = 2
@@ -684,7 +684,7 @@ def test_uneven_profile_by_hand(
 def test_step_temporaries_follow_the_optimizer_implementation() -> None:
     # SGD's update is in place; a foreach Adam (the default on CUDA) holds one intermediate per
     # parameter at once, a single-tensor Adam (the default on CPU) one parameter's worth.
-    from autoshard.wrap.optim import step_temporary_bytes
+    from autoshard.decide.optimizer import step_temporary_bytes
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
     sizes = [p.numel() * 4 for p in model.parameters()]  # 4096, 64, 2048, 32 fp32 elements

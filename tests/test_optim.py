@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.wrap.optim import optimizer_state_bytes
+from autoshard.decide.optimizer import optimizer_state_bytes
 
 FP32 = 4  # bytes per fp32 element
 STEP = 4  # bytes of one 0-dim fp32 `step` tensor

@@ -20,7 +20,6 @@ from autoshard.decide.estimate import Simulated, model_stats, shard_bytes
 from autoshard.measure.fake import unavailable
 from autoshard.measure.simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
 from autoshard.measure.step import total
-from autoshard.strategies.engines import shard_module
 from autoshard.strategies.strategy import Strategy
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -75,7 +74,7 @@ def simulated(
     model, optimizer, batch, names = MODELS[name]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
-    runs, note = simulate_all(model, setup, STRATEGIES, stats, world_size, shard_module)
+    runs, note = simulate_all(model, setup, STRATEGIES, stats, world_size)
     sims = combine(runs)
     assert set(sims) == set(STRATEGIES), note
     assert "analytic" not in note
@@ -150,11 +149,11 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, torch.randn(64, 16), None, optimizer, None, torch.device("cpu"))
     assert sim_module.shallow_depths(model, names) == (3, 4, 5)
-    extended = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+    extended = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
     original = sim_module.shallow_depths
     sim_module.shallow_depths = lambda *args: None  # type: ignore[assignment]
     try:
-        whole = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+        whole = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
     finally:
         sim_module.shallow_depths = original  # type: ignore[assignment]
     for strategy in STRATEGIES:
@@ -181,7 +180,7 @@ def test_model_and_optimizer_untouched() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
-    simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)
+    simulate_all(model, setup, STRATEGIES, stats, 2)
     assert not optimizer.state
     assert all(p.grad is None for p in model.parameters())
     for key, value in model.state_dict().items():
@@ -236,9 +235,9 @@ def test_one_measured_step_equals_a_warm_up_step_then_one(
     model, optimizer, batch, names = MODELS[model_name]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
-    one = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+    one = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
     monkeypatch.setattr(step_module, "_STATE_FIRST", ())
-    two = combine(simulate_all(model, setup, STRATEGIES, stats, 2, shard_module)[0])
+    two = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
     for strategy in STRATEGIES:
         assert one[strategy].backward == two[strategy].backward, strategy
         assert one[strategy].step == two[strategy].step, strategy
@@ -251,9 +250,7 @@ def test_checkpointed_runs_carry_the_unchecked_state() -> None:
     model, optimizer, batch, names = _gpt()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
-    runs, note = simulate_all(
-        model, setup, STRATEGIES, stats, 2, shard_module, checkpointed=STRATEGIES
-    )
+    runs, note = simulate_all(model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES)
     assert set(runs) == {(s, ck) for s in STRATEGIES for ck in (False, True)}, note
     assert "with every block checkpointed: DDP, SHARD_GRAD_OP, FULL_SHARD" in note
     for strategy, sim in combine(runs).items():

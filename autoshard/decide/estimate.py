@@ -36,11 +36,11 @@ class ModelStats:
         trainable_bytes: parameters with requires_grad (they get gradients and optimizer state).
         floating_numel: elements of floating-point parameters (cast under mixed precision).
         block_numel: floating elements of each repeated block (an FSDP unit each).
-        optimizer_bytes: optimizer state after its first step (`optim.optimizer_state_bytes`).
+        optimizer_bytes: optimizer state after its first step (`optimizer.optimizer_state_bytes`).
         optimizer_reason: how optimizer_bytes was counted.
         input_bytes: bytes of the example batch.
         step_temporary_bytes: intermediates the optimizer step holds at once, unsharded
-            (`optim.step_temporary_bytes`); None: assumed as large as all gradients.
+            (`optimizer.step_temporary_bytes`); None: assumed as large as all gradients.
     """
 
     param_bytes: int
@@ -286,7 +286,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     )
     # A foreach optimizer materialises one parameter-sized list of intermediates at the step
     # (Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`); a single-tensor step
-    # one parameter's worth (`optim.step_temporary_bytes`).
+    # one parameter's worth (`optimizer.step_temporary_bytes`).
     if stats.step_temporary_bytes is None:
         step_temp = grads if stats.optimizer_bytes else 0
     else:

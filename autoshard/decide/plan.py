@@ -5,16 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoshard.decide.estimate import (
-    Footprint,
-    ModelStats,
-    Setting,
-    Simulated,
-)
-
-# re-exported: the cost model's inputs are imported from here (Throughput, hardware_for)
-from autoshard.decide.hardware import Hardware, Throughput, hardware_for  # noqa: F401
-from autoshard.measure.trace import ActivationProfile
+from autoshard.decide.estimate import Footprint, ModelStats, Setting, Simulated
+from autoshard.decide.hardware import Hardware
+from autoshard.decide.profile import ActivationProfile
 from autoshard.strategies.strategy import Strategy
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from autoshard._units import parse_bytes
+from autoshard.decide.optimizer import unowned_parameters
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.optim import unowned_parameters
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
 

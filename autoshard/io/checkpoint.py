@@ -28,6 +28,7 @@ from torch import nn
 
 from autoshard._world import World, resolve
 from autoshard.collective import PeerTimeout, agree, agree_here
+from autoshard.decide.optimizer import unowned_parameters
 from autoshard.io.dcp import Saved, dcp_errors, disk_full, read, state_to_save, write
 from autoshard.io.layout import (
     DCP_METADATA,
@@ -45,7 +46,6 @@ from autoshard.io.layout import (
     siblings,
     verify,
 )
-from autoshard.wrap.optim import unowned_parameters
 from autoshard.wrap.snapshot import restore, take_snapshot
 
 

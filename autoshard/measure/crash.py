@@ -11,7 +11,6 @@ candidates are not offered (`candidates.decide`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +22,7 @@ if TYPE_CHECKING:
     from autoshard.measure.simulate import Setup
 
 
-def fake_step(
-    model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, shard: Callable[..., None]
-) -> str | None:
+def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> str | None:
     """One training step of `strategy` on a fake copy of `model`, wrapped as `wrap.apply` wraps it,
     with no memory tracker: None when it runs, else the error it raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -38,7 +35,7 @@ def fake_step(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     depth = len(setup.block_names)
     try:
-        fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
+        fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
         with wider_fake_kernels(), mode:  # as the simulation runs it (fp32 torch._grouped_mm)
             if not strategy.sharded and setup.dtype is not None:
                 autocast_hooks(fake, setup.device.type, setup.dtype)
@@ -54,17 +51,16 @@ def crash_of(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    shard: Callable[..., None],
     plain: dict[str, str | None],
 ) -> str | None:
     """The error a failed run's own step raises, where the plain model steps cleanly; else None
     (the failure was the tracker's or the fake tensors'). `plain` caches the plain model's step
     across the runs of one simulation round."""
-    error = fake_step(model, setup, strategy, mesh, shard)
+    error = fake_step(model, setup, strategy, mesh)
     if error is None:
         return None
     if "error" not in plain:
         plain["error"] = fake_step(
-            model, replace(setup, checkpoint_all=False), Strategy.LOCAL, mesh, shard
+            model, replace(setup, checkpoint_all=False), Strategy.LOCAL, mesh
         )
     return error if plain["error"] is None else None

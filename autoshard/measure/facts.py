@@ -18,6 +18,7 @@ from autoshard.decide.candidates import candidate, strategies_for
 from autoshard.decide.estimate import Setting, model_stats
 from autoshard.decide.hardware import hardware_for
 from autoshard.decide.job import Ranks, Work
+from autoshard.decide.optimizer import optimizer_state_bytes, step_temporary_bytes
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
@@ -25,11 +26,11 @@ from autoshard.measure.fake import shallow_copy
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.simulate import Setup, combine, shallow_depths, simulate_all
 from autoshard.measure.trace import extended, profile_scaled, profile_step
-from autoshard.strategies.engines import is_transformers_layer, shard_module
+from autoshard.strategies.engines import is_transformers_layer
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import DTYPES
-from autoshard.wrap.optim import optimizer_state_bytes, step_temporary_bytes
+from autoshard.wrap.meter import held_bytes
 
 logger = logging.getLogger("autoshard")
 
@@ -75,17 +76,6 @@ def _cpu_has_native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch built without oneDNN
         return False
-
-
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """Bytes of the model's parameters and buffers and the optimizer's state on `device`."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [v for state in optimizer.state.values() for v in state.values()]
-    return sum(
-        t.numel() * t.element_size()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.device == device
-    )
 
 
 def with_resident(
@@ -369,7 +359,6 @@ def with_simulation(
         simulating,
         stats,
         inputs.world_size,
-        shard_module,
         checkpointed=first,
         shared=shared,
         crashes=crashes,
@@ -388,7 +377,6 @@ def with_simulation(
                 (),
                 stats,
                 inputs.world_size,
-                shard_module,
                 checkpointed=again,
                 shared=shared,
                 crashes=crashes,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -51,6 +50,7 @@ from autoshard.measure.fake import (
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
+from autoshard.strategies.engines import shard_module
 from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
@@ -88,7 +88,6 @@ def simulate(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    shard: Callable[..., None],
 ) -> Simulated:
     """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow."""
     depths = shallow_depths(model, setup.block_names)
@@ -96,7 +95,7 @@ def simulate(
     full = len(setup.block_names)
     if depths is not None:
         d1, d2, d3 = depths
-        p1, p2, p3 = (_run(model, setup, strategy, mesh, shard, d) for d in depths)
+        p1, p2, p3 = (_run(model, setup, strategy, mesh, d) for d in depths)
         # The backward peak's moment can move with depth (early in backward with large
         # activations, at its end with large gradients): where the third depth is off the line,
         # the terms are not linear over this range, and the whole model is simulated instead.
@@ -109,7 +108,7 @@ def simulate(
                 _extend(p2[0], p3[0], d2, d3, full), _extend(p2[1], p3[1], d2, d3, full), degree
             )
         logger.debug("%s: terms not linear in depth; simulating all %d blocks", strategy, full)
-    backward, step = _run(model, setup, strategy, mesh, shard, full)
+    backward, step = _run(model, setup, strategy, mesh, full)
     return Simulated(backward, step, degree)
 
 
@@ -162,7 +161,6 @@ def _warm_up(
     setup: Setup,
     sharded: list[Strategy],
     mesh: Any,
-    shard: Callable[..., None],
 ) -> None:
     """One throwaway step of the first sharded strategy, before any is measured.
 
@@ -177,7 +175,7 @@ def _warm_up(
     # one block runs the same ops on the same shapes as any number of alike ones
     depth = 1 if _alike(model, setup.block_names) else len(setup.block_names)
     try:
-        _run(model, setup, sharded[0], mesh, shard, depth)
+        _run(model, setup, sharded[0], mesh, depth)
     except Exception:  # noqa: BLE001 - the measured run reports it
         logger.debug("warm-up run of %s failed", sharded[0], exc_info=True)
 
@@ -187,13 +185,12 @@ def _run(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    shard: Callable[..., None],
     depth: int,
 ) -> tuple[Phase, Phase]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, shard, depth, mode)
+    fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
     with wider_fake_kernels(), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy)
 
@@ -203,7 +200,6 @@ def wrapped_copy(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    shard: Callable[..., None],
     depth: int,
     mode: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -218,7 +214,7 @@ def wrapped_copy(
             for name in names:
                 checkpoint_block(fake.get_submodule(name))
         if strategy.sharded:
-            shard(fake, names, mesh, strategy, setup.dtype)
+            shard_module(fake, names, mesh, strategy, setup.dtype)
         return fake, fake_optimizer(setup.optimizer, model, fake), batch
 
 
@@ -233,7 +229,6 @@ def simulate_all(
     strategies: tuple[Strategy, ...],
     stats: ModelStats,
     world_size: int,
-    shard: Callable[..., None],
     *,
     checkpointed: tuple[Strategy, ...] = (),
     shared: bool = False,
@@ -274,20 +269,18 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        _warm_up(
-            model, setup, [s for s, all_blocks in mine if s.sharded and not all_blocks], mesh, shard
-        )
+        _warm_up(model, setup, [s for s, all_blocks in mine if s.sharded and not all_blocks], mesh)
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""
             report(f"simulating {strategy}{how} at {size} rank(s) on fake tensors")
             run_setup = replace(setup, checkpoint_all=all_blocks)
             try:
-                simulated = simulate(model, run_setup, strategy, mesh, shard)
+                simulated = simulate(model, run_setup, strategy, mesh)
             except Exception as error:  # noqa: BLE001 - reported in the plan; analytic instead
                 logger.debug("simulating %s failed", strategy, exc_info=True)
                 failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
-                crash = crash_of(model, run_setup, strategy, mesh, shard, plain)
+                crash = crash_of(model, run_setup, strategy, mesh, plain)
                 if crash is not None:
                     crashed[strategy, all_blocks] = crash[:300]
                 continue

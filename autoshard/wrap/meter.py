@@ -171,3 +171,16 @@ def memory_cap(device: torch.device, limit: int | None, held: int) -> Iterator[N
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(previous, device)
+
+
+def held_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> int:
+    """Bytes of the model's parameters and buffers and the optimizer's state on `device`."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device == device
+    )

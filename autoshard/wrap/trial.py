@@ -34,11 +34,16 @@ from autoshard.collective import (
 )
 from autoshard.decide.job import Decision, Work
 from autoshard.decide.plan import Attempt, Candidate
-from autoshard.measure.facts import held_bytes
 from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
-from autoshard.wrap.meter import LiveBytes, caller_peak_kept, held_tensors, memory_cap
+from autoshard.wrap.meter import (
+    LiveBytes,
+    caller_peak_kept,
+    held_bytes,
+    held_tensors,
+    memory_cap,
+)
 from autoshard.wrap.snapshot import restore, take_snapshot
 
 MAX_ATTEMPTS = 4

@@ -1,0 +1,105 @@
+"""The optimizer as the estimate sees it: how much state it will hold and what its step needs,
+and which of its parameters the model does not own (`wrap.optim` re-binds it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _adam_like(group: Mapping[str, Any]) -> int:
+    return 3 if group.get("amsgrad", False) else 2
+
+
+def _sgd(group: Mapping[str, Any]) -> int:
+    return 1 if group.get("momentum", 0) else 0
+
+
+def _rmsprop(group: Mapping[str, Any]) -> int:
+    return 1 + (1 if group.get("momentum", 0) else 0) + (1 if group.get("centered", False) else 0)
+
+
+# Full-size state tensors per parameter, read off each optimizer's `_init_group` in torch/optim.
+# Scalar states (`step`, NAdam's `mu_product`) are counted separately as 4 bytes each.
+_STATES_PER_PARAM = {
+    "Adam": _adam_like,
+    "AdamW": _adam_like,
+    "Adamax": lambda g: 2,  # exp_avg, exp_inf
+    "NAdam": lambda g: 2,  # exp_avg, exp_avg_sq
+    "RAdam": lambda g: 2,  # exp_avg, exp_avg_sq
+    "Adadelta": lambda g: 2,  # square_avg, acc_delta
+    "Adagrad": lambda g: 1,  # sum
+    "Rprop": lambda g: 2,  # prev, step_size
+    "ASGD": lambda g: 1,  # ax (eta and mu are scalars)
+    "SGD": _sgd,
+    "RMSprop": _rmsprop,
+}
+_ASSUMED_STATES = 2
+# Scalar state per parameter, in bytes: `step` (fp32) for most; NAdam adds `mu_product`, ASGD keeps
+# `eta` and `mu`; SGD keeps none.
+_SCALAR_BYTES = {"SGD": 0, "NAdam": 8, "ASGD": 12}
+# SGD updates in place; the others compute intermediates (Adam's sqrt(exp_avg_sq), Adagrad's and
+# RMSprop's sqrt of their running sums).
+_IN_PLACE = {"SGD"}
+# Devices where torch's optimizers default to foreach kernels (torch.utils._foreach_utils
+# `_get_foreach_kernels_supported_devices`, used by `_default_to_fused_or_foreach`).
+_FOREACH_DEVICES = {"cuda", "xpu", "mtia"}
+
+
+def _known(optimizer: torch.optim.Optimizer) -> str | None:
+    """The nearest optimizer class in the MRO whose state is known (a subclass of Adam is Adam)."""
+    return next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _STATES_PER_PARAM), None
+    )
+
+
+def step_temporary_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """The most intermediate bytes the optimizer step holds at once, for unsharded parameters.
+
+    A foreach step (torch's default on CUDA) materialises one intermediate per parameter of a
+    group at once; the single-tensor step (the default elsewhere, e.g. CPU) one parameter's worth
+    at a time; a fused kernel and an in-place optimizer (SGD) none.
+    """
+    if _known(optimizer) in _IN_PLACE:
+        return 0
+    worst = 0
+    for group in optimizer.param_groups:
+        sizes = [p.numel() * p.element_size() for p in group["params"] if p.requires_grad]
+        if not sizes or group.get("fused"):
+            continue
+        foreach = group.get("foreach")
+        if foreach is None:
+            foreach = device_type in _FOREACH_DEVICES
+        worst = max(worst, sum(sizes) if foreach else max(sizes))
+    return worst
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+    """Bytes of optimizer state once every trainable parameter has taken a step, and why.
+
+    States are kept in the parameter's dtype (fp32 master weights under mixed precision), so this
+    is per-parameter-size x states; sharding divides it by the world size.
+    """
+    name = type(optimizer).__name__
+    known = _known(optimizer)
+    rule = _STATES_PER_PARAM[known] if known is not None else None
+    scalars = _SCALAR_BYTES.get(known or "", 4)
+    total = 0
+    for group in optimizer.param_groups:
+        states = rule(group) if rule is not None else _ASSUMED_STATES
+        for param in group["params"]:
+            if param.requires_grad:
+                total += states * param.numel() * param.element_size() + scalars
+    if rule is None:
+        return total, f"{name}: unknown optimizer, assumed {_ASSUMED_STATES} states per parameter"
+    counts = sorted({rule(g) for g in optimizer.param_groups})
+    kind = name if known == name else f"{name} (a {known})"
+    return total, f"{kind}: {'/'.join(map(str, counts))} state(s) per parameter"
+
+
+def unowned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    owned = {id(p) for p in model.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
