@@ -46,9 +46,9 @@ from autoshard.measure.facts import (
     usable_host_memory,
     usable_memory,
     with_resident,
-    with_simulation,
     worst,
 )
+from autoshard.measure.simulated import with_simulation
 from autoshard.wrap.apply import DTYPES
 
 logger = logging.getLogger("autoshard")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard.decide.options import build_parser
+from autoshard.cli.options import build_parser
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch import nn
 
 import autoshard
 from autoshard.cli import demo
-from autoshard.decide.options import (
+from autoshard.cli.options import (
     _positive_int,
     _size_arg,
     add_decision_options,

@@ -4,7 +4,7 @@ gathered into the `PlanInputs` that `candidates.decide` takes."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
 from autoshard._units import human
 from autoshard._world import Memory, RankReport
-from autoshard.decide.candidates import candidate, strategies_for
+from autoshard.decide.candidates import strategies_for
 from autoshard.decide.estimate import Setting, model_stats
 from autoshard.decide.hardware import hardware_for
 from autoshard.decide.job import Ranks, Work
@@ -24,11 +24,9 @@ from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure.fake import shallow_copy
 from autoshard.measure.quiet import own_runs_quiet
-from autoshard.measure.simulate import Setup, combine, shallow_depths, simulate_all
+from autoshard.measure.simulate import shallow_depths
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
-from autoshard.strategies.recipes import recipe
-from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import DTYPES
 from autoshard.wrap.meter import held_bytes
 
@@ -306,113 +304,3 @@ def blocks_reason(model: nn.Module, names: list[str]) -> str:
             "gradient_checkpointing_enable sets it), which turns its KV cache off while training"
         )
     return reason
-
-
-def with_simulation(
-    inputs: PlanInputs,
-    work: Work,
-    block_names: list[str],
-    device: torch.device,
-    strategies: tuple[Strategy, ...],
-    shared: bool = False,
-) -> PlanInputs:
-    """`inputs` with every strategy that may be tried simulated (`measure.simulate`). With `shared`
-    (inside a job, from `prepare`) every rank calls this at the same point: the simulations are
-    shared out and gathered."""
-    model, optimizer, batch = work.model, work.optimizer, work.batch
-    loss_fn, request = work.loss_fn, work.request
-    if batch is None:
-        note = "estimates are analytic: no example_batch to simulate a step with"
-        return replace(inputs, reasons=(*inputs.reasons, note))
-    wanted = tuple(
-        dict.fromkeys(recipe(s).simulation for s in strategies if request.strategy in (None, s))
-    )
-    # A strategy whose parameters, gradients and optimizer state alone exceed the usable memory
-    # does not fit whatever its activations: not worth simulating (unless forced). The most
-    # frugal one is simulated all the same: when nothing fits, DoesNotFit quotes its estimate,
-    # which must not switch to the formulas' as the limit falls (it did: 10.33 MiB needed at
-    # 8 MiB, 14.10 MiB at 4 MiB, for the same candidate).
-    stats = inputs.stats
-    state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
-    hopeless = [
-        s
-        for s in wanted[:-1]
-        if request.strategy is None
-        and state // (inputs.world_size if s.sharded else 1) > inputs.usable_bytes
-    ]
-    # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
-    here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
-    dtype = DTYPES[inputs.mixed_precision]
-    setup = Setup(block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device)
-    # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
-    # misses: where checkpointed candidates matter, a strategy is simulated with every block
-    # checkpointed too. Which ones is first judged by formula, so that those runs share one round
-    # with the unchecked ones; where the simulated unchecked peaks judge otherwise, a second
-    # round follows.
-    checkpointable = inputs.num_blocks > 0 and request.activation_checkpointing != 0
-    simulating = tuple(s for s in wanted if s not in hopeless)
-    first = _to_checkpoint(inputs, strategies, request, simulating) if checkpointable else ()
-    crashes: dict[tuple[Strategy, bool], str] = {}
-    runs, note = simulate_all(
-        model,
-        setup,
-        simulating,
-        stats,
-        inputs.world_size,
-        checkpointed=first,
-        shared=shared,
-        crashes=crashes,
-    )
-    notes = [note]
-    inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
-    if checkpointable:
-        simulated = tuple(s for s, checkpointed in runs if not checkpointed)
-        again = tuple(
-            s for s in _to_checkpoint(inputs, strategies, request, simulated) if s not in first
-        )
-        if again:  # decided from agreed data: the same on every rank of a job
-            more, more_note = simulate_all(
-                model,
-                setup,
-                (),
-                stats,
-                inputs.world_size,
-                checkpointed=again,
-                shared=shared,
-                crashes=crashes,
-            )
-            runs.update(more)
-            notes.append(more_note)
-            inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
-    if hopeless:
-        names = ", ".join(str(s) for s in hopeless)
-        notes.append(
-            f"{names} not simulated (estimated by formula): parameters, gradients and "
-            f"optimizer state alone exceed the usable memory"
-        )
-    return replace(inputs, reasons=(*inputs.reasons, *notes))
-
-
-def _to_checkpoint(
-    inputs: PlanInputs,
-    strategies: tuple[Strategy, ...],
-    request: Request,
-    among: tuple[Strategy, ...],
-) -> tuple[Strategy, ...]:
-    """The strategies (of `among`) worth simulating with every block checkpointed: all where
-    checkpointing is forced; under auto, those whose unchecked candidate does not fit yet which
-    could still be the fastest (checkpointing only adds time): faster than the fastest unchecked
-    candidate that fits. Judged on the estimates `inputs` has (simulated, or by formula)."""
-    plain = [candidate(inputs, s, 0) for s in strategies if request.strategy in (None, s)]
-    fastest = min((c.step_seconds for c in plain if c.fits), default=float("inf"))
-    return tuple(
-        dict.fromkeys(
-            recipe(c.strategy).simulation
-            for c in plain
-            if recipe(c.strategy).simulation in among
-            and (
-                request.activation_checkpointing is not None
-                or (not c.fits and c.step_seconds < fastest)
-            )
-        )
-    )

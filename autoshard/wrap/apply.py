@@ -1,4 +1,7 @@
-"""The only code that wraps modules. Applied in a fixed order, as torchtitan does:
+"""Wrapping the user's model, the one way for every route: `apply` moves a model to (strategy,
+checkpointed blocks) the first time and for each of the trial's fallbacks, reading what to do from
+the strategy's recipe (`strategies.recipes`) and calling its engine (`strategies.engines`), in a
+fixed order, as torchtitan does:
 
 1. activation checkpointing on the first k blocks (composable `checkpoint`: hooks, no change to
    the module tree or parameter names, and more blocks can be checkpointed later in place);
@@ -9,8 +12,10 @@
 3. re-bind the optimizer, in place, to the parameters as they now are.
 
 `Wrapping` keeps what has been applied so that the trial step can move to a more frugal rung
-without starting over: more checkpointed blocks in place, ZeRO-2 -> ZeRO-3 in place with
-`set_reshard_after_forward`, and DDP -> FSDP by unwrapping DDP (which leaves the module as it was).
+without starting over, as far as the recipe's `falls_back_to` allows: more checkpointed blocks in
+place, ZeRO-2 -> ZeRO-3 in place (`engines.set_unit_resharding`), and DDP -> FSDP by unwrapping
+DDP (which leaves the module as it was). tests/test_routes.py checks that every route to a
+strategy builds the same model.
 """
 
 from __future__ import annotations
