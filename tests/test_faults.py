@@ -72,6 +72,19 @@ def test_bad_input_on_one_rank_raises_its_type_on_every_rank_within_seconds(
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+def test_wrapping_that_fails_on_one_rank_raises_on_every_rank_within_seconds(
+    faults: Launch, strategy: str
+) -> None:
+    rank0, rank1 = case(faults, f"wrap_fails_on_rank1_{strategy}")
+    own = "injected: this rank's wrapping failed"
+    assert rank1["type"] == "RuntimeError" and own in rank1["message"], rank1
+    assert rank0["type"] == "RuntimeError", f"the type is kept on the other rank: {rank0}"
+    assert "rank 1 failed in" in rank0["message"] and own in rank0["message"], rank0
+    assert max(rank0["seconds"], rank1["seconds"]) < PROMPT_S
+
+
+@pytest.mark.dist
 def test_drop_last_with_too_small_a_dataset_is_an_error_naming_the_fix(faults: Launch) -> None:
     for r in case(faults, "drop_last_smaller_than_ranks_times_batch"):
         assert r["type"] == "ValueError", r

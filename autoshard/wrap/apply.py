@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autoshard._world import World
+from autoshard.collective import agree_here
 from autoshard.strategies.engines import (
     autocast_hooks,
     checkpoint_block,
@@ -84,27 +85,51 @@ def apply(
 ) -> None:
     """Move `wrapping` to (strategy, checkpointed): the one way a model is wrapped, the first time
     and by the trial's fallbacks. Once applied, only the moves the current recipe allows in
-    place (`Recipe.falls_back_to`) are possible, and more checkpointed blocks."""
-    checkpoint_blocks(wrapping, checkpointed)
-    target = recipe(strategy)
-    if wrapping.strategy == strategy:
-        if target.engine is Engine.DDP and wrapping.ddp is None:  # dropped after a failed attempt
-            wrapping.ddp = ddp(wrapping)
-        return
+    place (`Recipe.falls_back_to`) are possible, and more checkpointed blocks.
+
+    Whatever fails on one rank is raised on every rank before the next collective: the steps
+    each rank takes alone run inside an agreement (`collective.agree_here`), and the collectives
+    between them (rank 0's parameters broadcast, the mesh, DDP's construction) only once every
+    rank got there."""
+    world, target = wrapping.world, recipe(strategy)
     current = recipe(wrapping.strategy) if wrapping.strategy is not None else None
     assert current is None or current.can_fall_back_to(strategy), (current, strategy)
-    dtype = DTYPES[wrapping.mixed_precision]
-    if current is not None and current.sharded:  # FSDP2 in place: only resharding can change
-        set_unit_resharding(wrapping.module, target.reshard_after_forward)
-    elif target.sharded:
+    what = f"wrapping the model as {strategy}"
+    agree_here(world, what, lambda: _before_collectives(wrapping, strategy, checkpointed))
+    mesh = None
+    if target.sharded and not (current is not None and current.sharded):
+        sync_from_rank0(wrapping.module, world.device)
+        mesh = make_mesh(target, world)
+    elif target.engine is Engine.DDP and wrapping.ddp is None:  # also after a failed attempt
+        wrapping.ddp = ddp(wrapping)  # its construction broadcasts rank 0's parameters
+    agree_here(world, what, lambda: _after_collectives(wrapping, optimizer, strategy, mesh))
+
+
+def _before_collectives(wrapping: Wrapping, strategy: Strategy, checkpointed: int) -> None:
+    checkpoint_blocks(wrapping, checkpointed)
+    current, target = wrapping.strategy, recipe(strategy)
+    if current == strategy or (current is not None and recipe(current).sharded):
+        return
+    if target.sharded:
         _unwrap_ddp(wrapping)
-        _fully_shard(wrapping, strategy, dtype)
-    else:
-        wrapping.module.to(wrapping.world.device)
-        if dtype is not None and not wrapping.autocast:
-            wrapping.autocast = autocast_hooks(wrapping.module, wrapping.world.device.type, dtype)
-        if target.engine is Engine.DDP:
-            wrapping.ddp = ddp(wrapping)
+        return
+    wrapping.module.to(wrapping.world.device)
+    dtype = DTYPES[wrapping.mixed_precision]
+    if dtype is not None and not wrapping.autocast:
+        wrapping.autocast = autocast_hooks(wrapping.module, wrapping.world.device.type, dtype)
+
+
+def _after_collectives(
+    wrapping: Wrapping, optimizer: torch.optim.Optimizer, strategy: Strategy, mesh: Any
+) -> None:
+    if wrapping.strategy == strategy:
+        return
+    target = recipe(strategy)
+    if mesh is not None:
+        dtype = DTYPES[wrapping.mixed_precision]
+        shard_module(wrapping.module, wrapping.block_names, mesh, strategy, dtype)
+    elif target.sharded:  # FSDP2 in place: only resharding can change
+        set_unit_resharding(wrapping.module, target.reshard_after_forward)
     wrapping.strategy = strategy
     wrapping.scaler = grad_scaler(wrapping)
     rebind(optimizer, wrapping.names, dict(wrapping.module.named_parameters()))
@@ -120,13 +145,6 @@ def checkpoint_blocks(wrapping: Wrapping, count: int) -> None:
 
 def ddp(wrapping: Wrapping) -> nn.Module:
     return make_ddp(wrapping.module, wrapping.world.device, wrapping.find_unused)
-
-
-def _fully_shard(wrapping: Wrapping, strategy: Strategy, dtype: torch.dtype | None) -> None:
-    module, world = wrapping.module, wrapping.world
-    sync_from_rank0(module, world.device)
-    mesh = make_mesh(recipe(strategy), world)
-    shard_module(module, wrapping.block_names, mesh, strategy, dtype)
 
 
 def _unwrap_ddp(wrapping: Wrapping) -> None:

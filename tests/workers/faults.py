@@ -10,6 +10,7 @@ Usage (from tests/_dist.py): faults.py OUT_DIR
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -18,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from _common import Cases, build, error_of, full, local_batches, rank
@@ -27,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import autoshard
 import autoshard.io.checkpoint as checkpoint_module
+import autoshard.wrap.apply as apply_module
 
 OUT = Path(os.environ.get("FAULTS_OUT", "."))
 TIMEOUT_S = 30.0  # every agreement of this worker: a hang fails in seconds, not minutes
@@ -131,6 +134,39 @@ def different_buffers_per_rank() -> dict[str, Any]:
         "reasons": [r for r in plan.reasons if "buffer" in r],
         "running_mean": model.blocks[2].norm.running_mean.tolist(),  # type: ignore[union-attr]
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Wrapping that fails on one rank: every rank raises before the next collective
+
+
+def wrap_fails_on_rank1(strategy: str) -> dict[str, Any]:
+    """Rank 1's wrapping fails where each rank works alone: its move to the device (DDP), its
+    `fully_shard` calls (after rank 0's parameters were broadcast: FULL_SHARD)."""
+    model, optimizer = build()
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: this rank's wrapping failed")
+
+    patched = mock.patch.object(apply_module, "shard_module", failing)
+    if strategy == "ddp":
+        patched = mock.patch.object(model, "to", failing)
+    with patched if rank() == 1 else contextlib.nullcontext():
+        return timed(
+            lambda: autoshard.prepare(
+                model, optimizer, local_batches(1)[0], strategy=strategy, mixed_precision="no"
+            )
+        )
+
+
+@cases.case
+def wrap_fails_on_rank1_ddp() -> dict[str, Any]:
+    return wrap_fails_on_rank1("ddp")
+
+
+@cases.case
+def wrap_fails_on_rank1_full_shard() -> dict[str, Any]:
+    return wrap_fails_on_rank1("full_shard")
 
 
 # ---------------------------------------------------------------------------------------------
