@@ -122,11 +122,15 @@ def test_existing_gradients_come_back_bitwise(faults: Launch, strategy: str) -> 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("strategy", ["ddp", "full_shard"])
+@pytest.mark.parametrize(
+    "name", ["resume_ddp", "resume_full_shard", "resume_full_shard_get_state_dict"]
+)
 def test_a_load_failing_on_one_rank_makes_every_rank_fall_back_together(
-    faults: Launch, strategy: str
+    faults: Launch, name: str
 ) -> None:
-    rank0, rank1 = case(faults, f"resume_{strategy}")
+    """Failing while checking the files, or while taking the state dicts just before DCP's
+    collective read (which would otherwise wait for the failed rank)."""
+    rank0, rank1 = case(faults, name)
     assert rank1["error"].startswith("OSError: [Errno 5] Input/output error"), rank1
     assert rank0["error"].startswith("OSError: rank 1 failed in load() with OSError"), rank0
     for r in (rank0, rank1):

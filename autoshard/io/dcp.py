@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoshard._world import World
+from autoshard.collective import agree_here
 
 
 @dataclass(frozen=True)
@@ -140,17 +141,24 @@ def read(
     no_dist = not world.distributed
     partly = "the model and optimizer may hold part of it: load again or rebuild them"
     if optimizer is None:
-        model_state = get_model_state_dict(model)
+        # agreed before DCP's collective read: a rank failing here alone must not leave the
+        # others waiting in it
+        model_state = agree_here(world, "load()", lambda: get_model_state_dict(model))
         with dcp_errors(f"load from {str(checkpoint)!r}", partly):
             dcp.load({"model": model_state}, checkpoint_id=str(checkpoint), no_dist=no_dist)
         set_model_state_dict(model, model_state)
         return
     had_state = bool(optimizer.state)
-    model_state, full = get_state_dict(model, optimizer)
-    optim_state = cast(dict[str, Any], full)
-    try:
+
+    def states_here() -> tuple[dict[str, Any], dict[str, Any]]:
+        model_state, full = get_state_dict(model, optimizer)
+        optim_state = cast(dict[str, Any], full)
         optim_state["state"] = _entries_to_load(optim_state["state"], saved.optimizer_state)
-    except ValueError:
+        return model_state, optim_state
+
+    try:
+        model_state, optim_state = agree_here(world, "load()", states_here)
+    except BaseException:
         if not had_state:
             optimizer.state.clear()  # undo get_state_dict's zero step
         raise

@@ -22,6 +22,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed.checkpoint.state_dict as state_dict_module
 from _common import Cases, build, error_of, full, local_batches, rank
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -206,8 +207,10 @@ def grads_kept_full_shard() -> dict[str, Any]:
 # 1. A load that fails on rank 1 only: every rank falls back to the same checkpoint
 
 
-def resume_after_one_rank_failed(strategy: str) -> dict[str, Any]:
-    where = OUT / f"resume_{strategy}"
+def resume_after_one_rank_failed(strategy: str, failing: str = "verify") -> dict[str, Any]:
+    """`failing`: where rank 1's load fails: checking the files ("verify"), or taking the state
+    dicts to load into just before DCP's collective read ("get_state_dict")."""
+    where = OUT / f"resume_{strategy}_{failing}"
     model, optimizer = build()
     model, optimizer, _ = autoshard.prepare(
         model, optimizer, strategy=strategy, mixed_precision="no", trial_step=False
@@ -225,23 +228,24 @@ def resume_after_one_rank_failed(strategy: str) -> dict[str, Any]:
     fresh, fresh_optimizer, _ = autoshard.prepare(
         fresh, fresh_optimizer, strategy=strategy, mixed_precision="no", trial_step=False
     )
-    original = checkpoint_module.verify
+    owner = checkpoint_module if failing == "verify" else state_dict_module
+    original = getattr(owner, failing)
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        raise OSError(5, "Input/output error (injected, transient)")
+
     if rank() == 1:
-
-        def flaky(*args: Any) -> None:
-            raise OSError(5, "Input/output error (injected, transient)")
-
-        checkpoint_module.verify = flaky  # type: ignore[assignment]
+        setattr(owner, failing, flaky)
     error = None
     try:
         autoshard.load(where / "latest", fresh, fresh_optimizer)
         loaded = "latest"
     except Exception as caught:  # the usual resume script
         error = f"{type(caught).__name__}: {caught}"
-        checkpoint_module.verify = original
+        setattr(owner, failing, original)
         autoshard.load(where / "previous", fresh, fresh_optimizer)
         loaded = "previous"
-    checkpoint_module.verify = original
+    setattr(owner, failing, original)
     now = digest(fresh)
     matches = [k for k, v in digests.items() if v == now]
     return {"loaded": loaded, "error": error, "matches": matches}
@@ -255,6 +259,11 @@ def resume_ddp() -> dict[str, Any]:
 @cases.case
 def resume_full_shard() -> dict[str, Any]:
     return resume_after_one_rank_failed("full_shard")
+
+
+@cases.case
+def resume_full_shard_get_state_dict() -> dict[str, Any]:
+    return resume_after_one_rank_failed("full_shard", "get_state_dict")
 
 
 # ---------------------------------------------------------------------------------------------
