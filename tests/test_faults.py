@@ -159,6 +159,21 @@ def test_a_peer_killed_in_the_trial_step_leaves_this_rank_restored(faults: Launc
     assert "killed_peer_in_trial" not in faults.ranks[1], "rank 1 was to die in this case"
 
 
+@pytest.mark.dist
+def test_rank0_killed_in_the_trial_step_is_named_and_the_survivor_restored(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 hosts the key-value store the agreement runs through: its death must still end
+    rank 1's wait with an error naming it, not a hang."""
+    run = launch("rank0_dies", tmp_path, timeout=TIMEOUT_S, launcher=None)
+    (survivor,) = case(run, "killed_rank0_in_trial", ranks=(1,))
+    assert survivor["type"] == "PeerTimeout", survivor
+    assert "rank 0" in survivor["message"] or "rank(s) [0]" in survivor["message"], survivor
+    assert survivor["restored"], survivor
+    assert survivor["seconds"] < PROMPT_S + 8, survivor  # a hang detector: the timeout is 8 s
+    assert "killed_rank0_in_trial" not in run.ranks[0], "rank 0 was to die in this case"
+
+
 # ---------------------------------------------------------------------------------------------
 # One process: checkpoints
 

@@ -270,11 +270,12 @@ def resume_full_shard_get_state_dict() -> dict[str, Any]:
 # 2, 9. A stalled peer, then a killed peer, in the trial step
 
 
-def sleep_or_die(action: Callable[[], None]) -> Callable[..., None]:
+def sleep_or_die(action: Callable[[], None], on_rank: int = 1) -> Callable[..., None]:
+    """A forward pre-hook that runs `action` once, on `on_rank`, in the real (not fake) step."""
     fired = []
 
     def hook(module: nn.Module, args: Any) -> None:
-        if rank() == 1 and not fired and not any(is_fake(a) for a in args):
+        if rank() == on_rank and not fired and not any(is_fake(a) for a in args):
             fired.append(True)
             action()
 
