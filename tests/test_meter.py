@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 import autoshard
@@ -53,3 +54,48 @@ def test_prepare_with_a_trial_step_leaves_nothing_alive() -> None:
     del prepared, model, optimizer
     gc.collect()
     assert sum(ref() is not None for ref in params) == 0
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise _Refused
+
+
+def test_resize_patch_follows_resizes_and_is_undone_on_exit_and_on_error() -> None:
+    original = torch.UntypedStorage.resize_
+    storage = torch.zeros(0, dtype=torch.uint8).untyped_storage()
+    meter = LiveBytes([])
+    with meter:
+        assert torch.UntypedStorage.resize_ is not original
+        storage.resize_(4096)
+    assert torch.UntypedStorage.resize_ is original
+    assert meter.peak >= 4096  # counted through the patch: no operator ran
+    with pytest.raises(_Refused), LiveBytes([]):
+        _refuse()
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_resize_patch_undone_when_entering_the_mode_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = torch.UntypedStorage.resize_
+    monkeypatch.setattr(LiveBytes.__bases__[0], "__enter__", _refuse)  # TorchDispatchMode's
+    with pytest.raises(_Refused), LiveBytes([]):
+        pass
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_resize_patch_undone_when_leaving_the_mode_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = torch.UntypedStorage.resize_
+    mode = LiveBytes.__bases__[0]
+    meter = LiveBytes([])
+    meter.__enter__()
+    monkeypatch.setattr(mode, "__exit__", _refuse)
+    try:
+        with pytest.raises(_Refused):
+            meter.__exit__(None, None, None)
+        assert torch.UntypedStorage.resize_ is original
+    finally:
+        monkeypatch.undo()
+        mode.__exit__(meter, None, None, None)  # off the dispatch mode stack again

@@ -89,12 +89,18 @@ class LiveBytes(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
-        super().__enter__()
+        try:
+            super().__enter__()
+        except BaseException:  # not entered: __exit__ will not run to put it back
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
 
 
 def _release(meter_ref: Any, key: int) -> None:
