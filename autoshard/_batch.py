@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from autoshard._torch_compat import tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

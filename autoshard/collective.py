@@ -39,6 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard._torch_compat import (
+    default_group,
+    default_store,
+    fsdp_comms_wrapped,
+    fsdp_param_groups,
+)
 from autoshard._world import World
 
 T = TypeVar("T")
@@ -121,15 +127,13 @@ _round: dict[str, Any] = {"group": None, "n": 0}
 def _next_round() -> tuple[Any, int]:
     """The store and this agreement's number, the same on every rank (ranks make the same calls
     in the same order); counted afresh for each process group."""
-    from torch.distributed import distributed_c10d as c10d
-
-    group = c10d._get_default_group()
+    group = default_group()
     previous = _round["group"]
     if previous is None or previous() is not group:
         _round.update(group=weakref.ref(group), n=0)
     n = int(_round["n"])
     _round["n"] = n + 1
-    return c10d._get_default_store(), n
+    return default_store(), n
 
 
 def exchange(world: World, what: str, payload: Any) -> list[Any]:
@@ -357,14 +361,6 @@ class _Synced:
         return self.inner(*args, **kwargs)
 
 
-def _param_groups(module: nn.Module) -> list[Any]:
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older FSDP2 keeps a single group
-        groups = [getattr(state, "_fsdp_param_group", None)]
-    return [g for g in groups if g is not None]
-
-
 @contextlib.contextmanager
 def fsdp_sync_points(module: nn.Module, agreement: Agreement) -> Iterator[bool]:
     """Wrap every FSDP2 unit's all-gather and reduce-scatter with a sync point, as
@@ -372,22 +368,12 @@ def fsdp_sync_points(module: nn.Module, agreement: Agreement) -> Iterator[bool]:
     yields whether this torch has pluggable comms."""
     from torch.distributed.fsdp import FSDPModule
 
-    groups = [g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m)]
-    if not all(
-        hasattr(g, "_all_gather_comm") and hasattr(g, "_reduce_scatter_comm") for g in groups
-    ):
-        yield False  # FSDP2 before pluggable comms: only the step-level sync points remain
-        return
-    originals = [(g, g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
-    for group, all_gather, reduce_scatter in originals:
-        group._all_gather_comm = _Synced(all_gather, agreement)
-        group._reduce_scatter_comm = _Synced(reduce_scatter, agreement)
-    try:
-        yield True
-    finally:
-        for group, all_gather, reduce_scatter in originals:
-            group._all_gather_comm = all_gather
-            group._reduce_scatter_comm = reduce_scatter
+    groups = [
+        g for m in module.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)
+    ]
+    # FSDP2 before pluggable comms yields False: only the step-level sync points remain
+    with fsdp_comms_wrapped(groups, lambda comm: _Synced(comm, agreement)) as pluggable:
+        yield pluggable
 
 
 def ddp_sync_points(ddp: nn.Module, agreement: Agreement) -> Any:

@@ -1,7 +1,8 @@
 """GPU suite section "compat": every torch feature autoshard checks for at run time (an import
 guarded by try, a `hasattr`/`getattr` on a torch object, a private field), present or absent
 here, and what autoshard does without it. The list is kept beside the package's checks by hand;
-`tests/test_gpu_suite.py` pins that each probe runs."""
+`tests/test_gpu_suite.py` pins that each probe runs. Every private name of
+`autoshard._torch_compat.SYMBOLS` not listed by hand gets a row of its own."""
 
 from __future__ import annotations
 
@@ -47,24 +48,21 @@ def _pluggable_comms() -> bool:
     """FSDP2 param groups with `_all_gather_comm`/`_reduce_scatter_comm`, on a one-rank fake
     group (what `collective.fsdp_sync_points` swaps)."""
     import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg as fake_pg
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from autoshard.collective import _param_groups
+    from autoshard._torch_compat import fake_store, fsdp_param_groups, has_pluggable_comms
 
     if dist.is_initialized():
         raise RuntimeError("a process group exists already")
-    dist.init_process_group("fake", rank=0, world_size=1, store=fake_pg.FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=1, store=fake_store())
     try:
         module: nn.Module = nn.Linear(4, 4)
         fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
         groups = [
-            g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m)
+            g for m in module.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)
         ]
-        return bool(groups) and all(
-            hasattr(g, "_all_gather_comm") and hasattr(g, "_reduce_scatter_comm") for g in groups
-        )
+        return bool(groups) and has_pluggable_comms(groups)
     finally:
         dist.destroy_process_group()
 
@@ -222,6 +220,30 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
         _import("torch.distributed.checkpoint.state_dict:get_state_dict"),
     ),
 ]
+
+
+def _symbol(name: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        from autoshard._torch_compat import resolve
+
+        return resolve(name) is not None  # raises, naming the symbol, where this torch lacks it
+
+    return probe
+
+
+def _compat_rows() -> list[tuple[str, str, str, Callable[[], bool]]]:
+    """A row for each private torch name of `autoshard._torch_compat.SYMBOLS` not probed above."""
+    from autoshard._torch_compat import SYMBOLS
+
+    listed = " ".join(row[0] for row in FEATURES)
+    return [
+        (s.dotted, f"_torch_compat: {s.used_for}", "see autoshard/_torch_compat.py", _symbol(n))
+        for n, s in SYMBOLS.items()
+        if s.dotted not in listed
+    ]
+
+
+FEATURES += _compat_rows()
 
 
 def _parameters(path: str) -> set[str]:

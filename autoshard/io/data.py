@@ -20,6 +20,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from autoshard._torch_compat import sampler_num_samples
 from autoshard._world import World, resolve
 from autoshard.collective import agree
 
@@ -175,7 +176,11 @@ def _check_rebuildable(loader: DataLoader[Any]) -> bool:
     if isinstance(sampler, SequentialSampler):
         return False
     # Without replacement and num_samples, a RandomSampler permutes the whole dataset each epoch.
-    if isinstance(sampler, RandomSampler) and not sampler.replacement and not sampler._num_samples:
+    if (
+        isinstance(sampler, RandomSampler)
+        and not sampler.replacement
+        and not sampler_num_samples(sampler)
+    ):
         return True
     raise ValueError(
         f"loader's sampler is a {type(sampler).__name__}, which shard_dataloader cannot split "

@@ -25,14 +25,13 @@ if TYPE_CHECKING:
 def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> str | None:
     """One training step of `strategy` on a fake copy of `model`, wrapped as `wrap.apply` wraps it,
     with no memory tracker: None when it runs, else the error it raised."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from autoshard._batch import call_model, compute_loss
+    from autoshard._torch_compat import fake_mode
     from autoshard.measure.fake import wider_fake_kernels
     from autoshard.measure.simulate import wrapped_copy
     from autoshard.strategies.engines import autocast_hooks
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_mode()
     depth = len(setup.block_names)
     try:
         fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
+from autoshard._torch_compat import cpu_has_native_bf16
 from autoshard._units import human
 from autoshard._world import Memory, RankReport
 from autoshard.decide.candidates import strategies_for
@@ -70,10 +71,7 @@ def resolve_mixed_precision(
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN
-        return False
+    return cpu_has_native_bf16()
 
 
 def with_resident(

@@ -13,6 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard._torch_compat import (
+    fake_kernel,
+    fake_store,
+    grouped_mm,
+    grouped_mm_output,
+    keep_children,
+    missing,
+)
+
 
 @contextlib.contextmanager
 def wider_fake_kernels() -> Iterator[None]:
@@ -25,32 +34,8 @@ def wider_fake_kernels() -> Iterator[None]:
     (`_create_grouped_mm_output_tensor`), in the input dtype, and it saves nothing else: the
     fake output here is that tensor, so the trace and the trackers count what a real step holds.
     """
-    from torch._subclasses import fake_impls
-
-    entry = (_is_grouped_mm, _grouped_mm_any_dtype)
-    fake_impls.op_implementations_checks.insert(0, entry)
-    try:
+    with fake_kernel(grouped_mm(), _grouped_mm_any_dtype):
         yield
-    finally:
-        fake_impls.op_implementations_checks.remove(entry)
-        _forget_cached(torch.ops.aten._grouped_mm.default)
-
-
-def _forget_cached(func: Any) -> None:
-    """Drop fake-tensor dispatch results of `func` cached while the wider kernel was installed
-    (FakeTensorMode's cache is shared by every mode): outside, torch's own kernel answers
-    again. Private fields; nothing is dropped where they differ."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    cache = getattr(FakeTensorMode, "cache", None)
-    if not isinstance(cache, dict):
-        return
-    for key in [k for k in cache if getattr(k, "key", (None,))[:1] == (func,)]:
-        del cache[key]
-
-
-def _is_grouped_mm(func: Any) -> bool:
-    return func is torch.ops.aten._grouped_mm.default
 
 
 def _grouped_mm_any_dtype(
@@ -64,22 +49,17 @@ def _grouped_mm_any_dtype(
 ) -> Any:
     if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
         return NotImplemented  # torch's own meta kernel handles it
-    from torch._meta_registrations import _create_grouped_mm_output_tensor
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-    with in_kernel_invocation_manager(fake_mode):
-        out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
-    return FakeTensor(fake_mode, out, mat_a.fake_device)
+    return grouped_mm_output(fake_mode, mat_a, mat_b, offs, out_dtype)
 
 
 def unavailable() -> str | None:
     """Why simulation cannot run with this torch, or None. The trackers are private torch APIs."""
+    lacks = missing("FSDPMemTracker", "MemTracker", "FakeStore")
+    if lacks is not None:
+        return f"torch {torch.__version__} lacks the memory trackers ({lacks})"
     try:
-        import torch.distributed._tools.fsdp2_mem_tracker  # noqa: F401
-        import torch.distributed._tools.mem_tracker  # noqa: F401
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
         from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except Exception as error:  # ImportError, or any failure inside a private module
+    except Exception as error:  # ImportError, or any failure inside torch's module
         return f"torch {torch.__version__} lacks the memory trackers ({error})"
     return None
 
@@ -92,9 +72,9 @@ def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
     every rank must call this at the same point, as for any `new_group`. Without one, a fake
     default group is created and destroyed again.
     """
-    import torch.testing._internal.distributed.fake_pg as fake_pg
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    store = fake_store()  # importing the fake group registers the "fake" backend, used below
     # A DeviceMesh equals another of the same ranks, device and dimension names whatever its
     # process group, and DTensor's sharding caches key on that equality: a fake mesh equal to
     # the real one would hand the real model's DTensors the fake group (seen: the real
@@ -113,7 +93,7 @@ def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
         finally:
             dist.destroy_process_group(group)
         return
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_pg.FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=store)
     try:
         yield init_device_mesh(device_type, (world_size,), mesh_dim_names=names)
     finally:
@@ -168,8 +148,7 @@ def shallow_copy(
     copied = copy.deepcopy(model, memo)
     if depth < len(block_names):
         parent = copied.get_submodule(block_names[0].rpartition(".")[0])
-        kept = [m for m in parent._modules.values() if m is not None][:depth]
-        parent._modules = {str(i): m for i, m in enumerate(kept)}
+        keep_children(parent, depth)
     return copied, block_names[:depth]
 
 

@@ -10,13 +10,14 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+from autoshard._torch_compat import FAKE_TENSOR_LOGGER
+
 # FSDP2 warns when a wrapped module returns a view; the simulation wraps the user's blocks even
 # when the plan is DDP, so the warning would come on every rank of a job that never runs FSDP2.
 # Under a real FSDP2 wrap (prepare's) it still shows.
 _FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 # FakeTensorMode logs every failed meta kernel with its traceback at ERROR level before raising;
 # autoshard catches the exception and says what it means, once.
-_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
 class _DropAll(logging.Filter):
@@ -29,7 +30,7 @@ def own_runs_quiet() -> Iterator[None]:
     """Inside: FSDP2's view warning and fake-tensor error logs are dropped, and the excepthook
     `init_process_group` installs for a fake group (it prefixes every traceback line of the rest
     of the process with `[rank0]:`) is undone afterwards."""
-    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     drop = _DropAll()
     hook = sys.excepthook
     logger.addFilter(drop)

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn
+from autoshard._torch_compat import fake_mode, tree_map
 from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
@@ -187,9 +187,7 @@ def _run(
     mesh: Any,
     depth: int,
 ) -> tuple[Phase, Phase]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_mode()
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
     with wider_fake_kernels(), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy)

@@ -10,6 +10,12 @@ import torch
 from torch import nn
 
 from autoshard._batch import call_model, compute_loss, tensors_in
+from autoshard._torch_compat import (
+    mem_trackers,
+    tracker_frozen_safe,
+    tracker_global_peak_only,
+    tracker_reset_peak,
+)
 from autoshard.decide.estimate import Phase
 from autoshard.measure.workspace import Workspace
 from autoshard.strategies.strategy import Strategy
@@ -39,8 +45,7 @@ def tracked_step(
     takes an unmeasured step from zero gradients (which allocates what a full first step would).
     With every block checkpointed (`setup.checkpoint_all`) only forward and backward run: the
     step is the unchecked simulation's, and the caller adds its state (`with_state`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    FSDPMemTracker, MemTracker = mem_trackers()
 
     from autoshard.strategies.engines import autocast_hooks
 
@@ -64,7 +69,7 @@ def tracked_step(
     else:
         tracker = frozen_safe(MemTracker())
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
-    _global_peak_only(tracker)
+    tracker_global_peak_only(tracker)
     # inside the tracker, which so sees the workspace blocks
     with tracker, Workspace(setup.trains_on or setup.device):
         loss = compute_loss(call_model(model, batch), batch, setup.loss_fn)
@@ -77,7 +82,7 @@ def tracked_step(
         # most its intermediates add. Taken as a difference of totals, not from the tracker's
         # breakdown at its peak, which files optimizer state under other names mid-step.
         before = _phase(tracker, "current")
-        _reset_peak(tracker)
+        tracker_reset_peak(tracker)
         optimizer.step()
         added = max(0, total(tracker, "peak") - total(before))
         created = 0 if stepped else _phase(tracker, "current").optimizer_state
@@ -126,65 +131,9 @@ def _first_step(model: nn.Module, optimizer: torch.optim.Optimizer, keep_grads: 
 
 
 def frozen_safe(tracker: Any) -> Any:
-    """`tracker`, made to track models with frozen parameters (LoRA, frozen embeddings).
-
-    torch's MemTracker installs a gradient hook on every parameter of each module it enters,
-    and `register_hook` raises on a tensor that does not require grad ("cannot register a hook
-    on a tensor that doesn't require gradient", DESIGN.md section 3). Here the hooks go on the
-    trainable parameters only: a frozen one gets no gradient to count. Private fields; left as
-    it is where they differ."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    original = getattr(tracker, "_track_module_params_and_buffers", None)
-    handles: Any = getattr(tracker, "_param_to_grad_hook_handles", None)
-    if original is None or not hasattr(handles, "get"):  # a WeakIdKeyDictionary on torch 2.13
-        return tracker
-
-    def count_grad(grad: torch.Tensor | None) -> None:
-        if grad is not None:
-            tracker._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-    def track(module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        tracked: tuple[int, int] = original(module, install_grad_hooks=False)
-        if install_grad_hooks:
-            for param in module.parameters():
-                if param.requires_grad and handles.get(param) is None:
-                    handles[param] = (
-                        param.register_hook(count_grad),
-                        param.register_post_accumulate_grad_hook(lambda p: count_grad(p.grad)),
-                    )
-        return tracked
-
-    tracker._track_module_params_and_buffers = track
-    return tracker
-
-
-def _global_peak_only(tracker: Any) -> None:
-    """Keep only the tracker-wide peak. After every operator torch's trackers also update each
-    tracked module's peak by walking every module tracked so far, which is a fifth of a
-    simulation's time on the demo model and unused here (private fields; left as they are where
-    they differ)."""
-    if not all(
-        hasattr(tracker, name)
-        for name in ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
-    ):
-        return
-
-    def update(peak_state: Any) -> None:
-        for device, snapshot in tracker._curr_mem_snap.items():
-            if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
-                tracker._peak_mem[device] = snapshot["Total"]
-                tracker._peak_mem_snap[device] = dict(snapshot)
-
-    tracker._update_peak_stats = update
-
-
-def _reset_peak(tracker: Any) -> None:
-    """Start a new peak from the current bytes (private fields; without them the phases share
-    the peak of the whole step, which only overestimates)."""
-    if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap"):
-        tracker._peak_mem = {}
-        tracker._peak_mem_snap = {}
+    """`tracker`, made to track models with frozen parameters (LoRA, frozen embeddings): its
+    gradient hooks go on trainable parameters only (`_torch_compat.tracker_frozen_safe`)."""
+    return tracker_frozen_safe(tracker)
 
 
 def total(source: Any, kind: str = "") -> int:

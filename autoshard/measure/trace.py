@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
+from autoshard._torch_compat import fake_mode, storage_key, tree_map
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.fake import wider_fake_kernels
 
@@ -43,7 +43,7 @@ class _Attribution:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self.owner or key in self.existing:
             return tensor
         if self.current is not None:
@@ -78,7 +78,6 @@ def profile_step(
     run, `profile_scaled`): on detached aliases of the parameters and copies of the buffers, so
     that neither the model's gradients nor its buffers (BatchNorm statistics) change, and with
     the random number generators restored after."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     mode: Any
@@ -92,7 +91,7 @@ def profile_step(
         state.update({n: t.clone() for n, t in model.named_buffers(remove_duplicate=False)})
         fake_batch = batch
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode = fake_mode()
         state = {n: _fake(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
         state.update(
             {n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)}
@@ -100,7 +99,9 @@ def profile_step(
         fake_batch = tree_map(
             lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
         )
-    existing = {t.untyped_storage()._cdata for t in [*state.values(), *tensors_in(fake_batch)]}
+    existing = {
+        storage_key(t.untyped_storage()) for t in [*state.values(), *tensors_in(fake_batch)]
+    }
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     counter = FlopCounterMode(display=False)

@@ -28,9 +28,15 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
+from autoshard._torch_compat import (
+    TorchDispatchMode,
+    allocation_tag,
+    disable_current_modes,
+    profiler_enabled,
+    tree_flatten,
+    tree_map,
+)
 from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
@@ -63,7 +69,7 @@ def why_not(device: torch.device) -> str | None:
         return "no CUDA device here"
     if device.type not in ("cpu", "cuda"):
         return f"not measured on {device.type}"
-    if device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+    if device.type == "cpu" and profiler_enabled():
         return "a profiler is running, and the CPU is measured with one"
     return None
 
@@ -120,7 +126,7 @@ def _describe(args: Any, kwargs: Any) -> tuple[Any, ...]:
 def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | None:
     """Bytes `func` holds beyond its outputs when run for real on `device` (None if it cannot
     run here: too little memory, an unsupported combination)."""
-    with _disable_current_modes():  # the fake mode and the tracker too: this runs for real
+    with disable_current_modes():  # the fake mode and the tracker too: this runs for real
         try:
             real_args, real_kwargs = tree_map(lambda x: _real(x, device), (args, kwargs))
             real_args = _as_kernel_expects(func, real_args, device)
@@ -188,9 +194,8 @@ def _stderr_closed() -> Iterator[None]:
 def _held_cpu(func: Any, args: Any, kwargs: Any) -> int | None:
     """From the profiler's allocation events: the most allocated at once inside the call, less
     what is still allocated when it returns (its outputs)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_enabled():
         return None  # the caller's own profiler is running: a second one cannot start
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -203,10 +208,11 @@ def _held_cpu(func: Any, args: Any, kwargs: Any) -> int | None:
             prof.__exit__(None, None, None)
     del result
     sizes: list[tuple[int, int]] = []
+    allocation = allocation_tag()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
         event = stack.pop()
-        if event.tag == _EventType.Allocation:
+        if event.tag == allocation:
             sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
         stack.extend(event.children)
     live = most = 0

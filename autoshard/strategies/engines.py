@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from autoshard._torch_compat import composable_checkpoint, is_batch_norm, tree_map
 from autoshard._world import World
 from autoshard.strategies.recipes import Recipe, recipe
 from autoshard.strategies.strategy import Strategy
@@ -36,9 +36,7 @@ def checkpoint_block(module: nn.Module) -> None:
             functools.partial(checkpointed, use_reentrant=False),
         )
         return
-    from torch.distributed._composable import checkpoint
-
-    checkpoint(module)
+    composable_checkpoint(module)
 
 
 def is_transformers_layer(module: nn.Module) -> bool:
@@ -136,9 +134,7 @@ def shard_module(
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype
         )
         for sub in module.modules():
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and any(
-                True for _ in sub.parameters(recurse=False)
-            ):
+            if is_batch_norm(sub) and any(True for _ in sub.parameters(recurse=False)):
                 fully_shard(
                     sub,
                     mesh=mesh,

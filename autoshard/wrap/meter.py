@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from autoshard._torch_compat import TorchDispatchMode, storage_resize_hook, tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
@@ -29,7 +29,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self._bytes: dict[int, int] = {}  # id(storage) -> bytes counted, until it dies
-        self._original_resize: Any = None
+        self._undo = contextlib.ExitStack()  # what __enter__ changed in torch, undone on exit
         for tensor in held:
             self._track(tensor)
         self.peak = self.current
@@ -78,29 +78,25 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __enter__(self) -> LiveBytes:
-        original = self._original_resize = torch.UntypedStorage.resize_
         meter = weakref.ref(self)
 
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            result = original(storage, size)
+        def resized(storage: torch.UntypedStorage) -> None:
             tracker = meter()
             if tracker is not None:
                 tracker._resized(storage)
-            return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
-        try:
+        # if entering the mode fails, the `with` here undoes the patch; else it is kept for exit
+        with contextlib.ExitStack() as undo:
+            undo.enter_context(storage_resize_hook(resized))
             super().__enter__()
-        except BaseException:  # not entered: __exit__ will not run to put it back
-            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
-            raise
+            self._undo = undo.pop_all()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+            self._undo.close()
 
 
 def _release(meter_ref: Any, key: int) -> None:

@@ -1,0 +1,379 @@
+"""Every private torch name autoshard reaches, in one place (issue 13).
+
+Each entry of `SYMBOLS` is a "module:attribute.path" with what autoshard uses it for;
+`tests/test_torch_compat.py` resolves each on the installed torch. A missing one raises
+`MissingTorchSymbol` naming the symbol, the torch version and the feature that needs it, except
+where autoshard already does without it (no pluggable FSDP2 comms, no tracker peak fields, no
+oneDNN): there the graceful path stays, and is decided here.
+
+Checked: torch 2.13.0 (this repository's CPU environment). The GPU suite's "compat" section
+(`benchmarks/_gpu_compat.py`) probes the same names on the GPU machine's torch 2.11.
+
+The only changes to torch's own state are the context managers at the end
+(`storage_resize_hook`, `fake_kernel`, `fsdp_comms_wrapped`): each undoes its change on every path
+out, including a failure after the change is made and before the caller's body starts.
+
+Heavy or optional private modules (the trackers, fake process group, fake-tensor internals, the
+profiler) are imported only when a function here needs them, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class MissingTorchSymbol(ImportError):
+    """A private torch name autoshard needs is not in the installed torch."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    path: str  # "module:attr.attr" (the attribute part may be empty: the module itself)
+    used_for: str
+
+    @property
+    def dotted(self) -> str:
+        module, _, attr = self.path.partition(":")
+        return f"{module}.{attr}" if attr else module
+
+
+SYMBOLS: dict[str, Symbol] = {
+    # Nested containers of tensors (batches, outputs, dispatch arguments); imported with autoshard.
+    "tree_map": Symbol("torch.utils._pytree:tree_map", "walking batches and model outputs"),
+    "tree_leaves": Symbol("torch.utils._pytree:tree_leaves", "the trial meter (wrap.meter)"),
+    "tree_flatten": Symbol("torch.utils._pytree:tree_flatten", "kernel workspace measurement"),
+    # Dispatch modes: the trial meter and the workspace mode subclass it; imported with autoshard.
+    "TorchDispatchMode": Symbol(
+        "torch.utils._python_dispatch:TorchDispatchMode", "the trial meter and workspace modes"
+    ),
+    "_disable_current_modes": Symbol(
+        "torch.utils._python_dispatch:_disable_current_modes",
+        "running a workspace probe for real under the fake mode",
+    ),
+    "checkpoint": Symbol(
+        "torch.distributed._composable:checkpoint", "activation checkpointing of non-HF blocks"
+    ),
+    "FSDPMemTracker": Symbol(
+        "torch.distributed._tools.fsdp2_mem_tracker:FSDPMemTracker", "simulated FSDP2 steps"
+    ),
+    "MemTracker": Symbol("torch.distributed._tools.mem_tracker:MemTracker", "simulated steps"),
+    "_MemRefType": Symbol(
+        "torch.distributed._tools.mem_tracker:_MemRefType",
+        "counting gradients of models with frozen parameters in the simulation",
+    ),
+    # Importing it registers the "fake" backend.
+    "FakeStore": Symbol(
+        "torch.testing._internal.distributed.fake_pg:FakeStore",
+        "simulating any world size (the fake process group)",
+    ),
+    "FakeTensorMode": Symbol(
+        "torch._subclasses.fake_tensor:FakeTensorMode", "tracing and simulating without memory"
+    ),
+    "FakeTensor": Symbol("torch._subclasses.fake_tensor:FakeTensor", "fp32 _grouped_mm fakes"),
+    "in_kernel_invocation_manager": Symbol(
+        "torch._subclasses.fake_tensor:in_kernel_invocation_manager", "fp32 _grouped_mm fakes"
+    ),
+    "op_implementations_checks": Symbol(
+        "torch._subclasses.fake_impls:op_implementations_checks", "fp32 _grouped_mm fakes"
+    ),
+    "_create_grouped_mm_output_tensor": Symbol(
+        "torch._meta_registrations:_create_grouped_mm_output_tensor", "fp32 _grouped_mm fakes"
+    ),
+    "_EventType": Symbol(
+        "torch._C._profiler:_EventType", "measuring CPU kernel workspace (profiler events)"
+    ),
+    "_is_profiler_enabled": Symbol(
+        "torch.autograd.profiler:_is_profiler_enabled", "measuring CPU kernel workspace"
+    ),
+    "_get_default_group": Symbol(
+        "torch.distributed.distributed_c10d:_get_default_group", "agreement between ranks"
+    ),
+    "_get_default_store": Symbol(
+        "torch.distributed.distributed_c10d:_get_default_store", "agreement between ranks"
+    ),
+    "_grouped_mm": Symbol("torch:ops.aten._grouped_mm", "fp32 _grouped_mm fakes (MoE experts)"),
+    # Graceful where absent (a torch without oneDNN): the CPU counts as having no native bf16.
+    "_is_mkldnn_bf16_supported": Symbol(
+        "torch:ops.mkldnn._is_mkldnn_bf16_supported", "choosing bf16 or fp16 on CPU"
+    ),
+    "_BatchNorm": Symbol(
+        "torch.nn.modules.batchnorm:_BatchNorm", "keeping batch norm in fp32 under FSDP2"
+    ),
+}
+
+# The fake-tensor module's logger, silenced during autoshard's own fake runs (measure.quiet).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def resolve(name: str) -> Any:
+    """The object `SYMBOLS[name]` names; raises `MissingTorchSymbol` where this torch lacks it."""
+    symbol = SYMBOLS[name]
+    module_name, _, attrs = symbol.path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for attr in filter(None, attrs.split(".")):
+            target = getattr(target, attr)
+    except Exception as error:  # ImportError, AttributeError, or a failure inside the module
+        raise MissingTorchSymbol(
+            f"autoshard needs {symbol.dotted} for {symbol.used_for}; this torch "
+            f"{torch.__version__} lacks it ({type(error).__name__}: {error})"
+        ) from error
+    return target
+
+
+def missing(*names: str) -> str | None:
+    """The first of `names` this torch lacks, as `MissingTorchSymbol`'s message; None if none."""
+    for name in names:
+        try:
+            resolve(name)
+        except MissingTorchSymbol as error:
+            return str(error)
+    return None
+
+
+# Imported with autoshard (torch imports these modules itself): an older or newer torch without
+# them fails here, with the message, rather than deep inside a module.
+tree_map = resolve("tree_map")
+tree_leaves = resolve("tree_leaves")
+tree_flatten = resolve("tree_flatten")
+TorchDispatchMode = resolve("TorchDispatchMode")
+disable_current_modes = resolve("_disable_current_modes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions over private names (resolved when called)
+
+
+def composable_checkpoint(module: torch.nn.Module) -> None:
+    """torch's hook-based activation checkpoint (module tree and parameter names unchanged)."""
+    resolve("checkpoint")(module)
+
+
+def mem_trackers() -> tuple[Any, Any]:
+    """(FSDPMemTracker, MemTracker)."""
+    return resolve("FSDPMemTracker"), resolve("MemTracker")
+
+
+def fake_mode() -> Any:
+    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs."""
+    return resolve("FakeTensorMode")(allow_non_fake_inputs=True)
+
+
+def fake_store() -> Any:
+    """The fake process group's store; importing it registers the "fake" backend."""
+    return resolve("FakeStore")()
+
+
+def default_group() -> Any:
+    return resolve("_get_default_group")()
+
+
+def default_store() -> Any:
+    return resolve("_get_default_store")()
+
+
+def profiler_enabled() -> bool:
+    """Whether a (Python) profiler is running in this process."""
+    return bool(resolve("_is_profiler_enabled"))
+
+
+def allocation_tag() -> Any:
+    """The profiler event tag of an allocation (`_EventType.Allocation`)."""
+    return resolve("_EventType").Allocation
+
+
+def is_batch_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, resolve("_BatchNorm"))
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN computes bf16 natively on this CPU (False on a torch without oneDNN)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The storage's identity in C++: the same for every Python view of it."""
+    return int(storage._cdata)
+
+
+def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
+    """The `num_samples` a RandomSampler was built with (None: the whole dataset)."""
+    value: int | None = sampler._num_samples
+    return value
+
+
+def keep_children(parent: torch.nn.Module, count: int) -> None:
+    """Keep only the first `count` children of `parent` that are set, renamed "0", "1", ..."""
+    kept = [m for m in parent._modules.values() if m is not None][:count]
+    parent._modules = {str(i): m for i, m in enumerate(kept)}
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 internals (collective.fsdp_sync_points)
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+    """An FSDP2 unit's param groups (`_fsdp_param_groups`; older FSDP2: one `_fsdp_param_group`)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [getattr(state, "_fsdp_param_group", None)]
+    return [g for g in groups if g is not None]
+
+
+def has_pluggable_comms(groups: list[Any]) -> bool:
+    return all(
+        hasattr(g, "_all_gather_comm") and hasattr(g, "_reduce_scatter_comm") for g in groups
+    )
+
+
+@contextlib.contextmanager
+def fsdp_comms_wrapped(groups: list[Any], wrap: Callable[[Any], Any]) -> Iterator[bool]:
+    """Each param group's all-gather and reduce-scatter comm objects replaced by `wrap(comm)`,
+    put back on every way out; yields False, changing nothing, where this FSDP2 has no pluggable
+    comms."""
+    if not has_pluggable_comms(groups):
+        yield False
+        return
+    originals = [(g, g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+    for group, all_gather, reduce_scatter in originals:
+        group._all_gather_comm = wrap(all_gather)
+        group._reduce_scatter_comm = wrap(reduce_scatter)
+    try:
+        yield True
+    finally:
+        for group, all_gather, reduce_scatter in originals:
+            group._all_gather_comm = all_gather
+            group._reduce_scatter_comm = reduce_scatter
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide patches, each undone on every path
+
+
+@contextlib.contextmanager
+def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """`torch.UntypedStorage.resize_` calls `after(storage)` once each resize is done (FSDP2
+    allocates and frees its gathered parameters through it); the original is put back on exit."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        after(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+def grouped_mm() -> Any:
+    """`torch.ops.aten._grouped_mm.default`."""
+    return resolve("_grouped_mm").default
+
+
+@contextlib.contextmanager
+def fake_kernel(op: Any, kernel: Callable[..., Any]) -> Iterator[None]:
+    """`kernel(fake_mode, func, *args, **kwargs)` consulted before torch's own fake kernel of
+    `op` (it may return NotImplemented to defer), while inside. On exit it is removed and the
+    fake-tensor cache forgets what it answered, so that torch's kernel answers again."""
+    checks = resolve("op_implementations_checks")
+    entry = (lambda func: func is op, kernel)
+    checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        checks.remove(entry)
+        _forget_cached(op)
+
+
+def _forget_cached(func: Any) -> None:
+    """Drop fake-tensor dispatch results of `func` (FakeTensorMode's cache is shared by every
+    mode). Private fields; nothing is dropped where they differ."""
+    cache = getattr(resolve("FakeTensorMode"), "cache", None)
+    if not isinstance(cache, dict):
+        return
+    for key in [k for k in cache if getattr(k, "key", (None,))[:1] == (func,)]:
+        del cache[key]
+
+
+def grouped_mm_output(fake_mode: Any, mat_a: Any, mat_b: Any, offs: Any, out_dtype: Any) -> Any:
+    """A fake tensor of the shape and dtype torch's meta kernel gives `_grouped_mm`'s output."""
+    create = resolve("_create_grouped_mm_output_tensor")
+    with resolve("in_kernel_invocation_manager")(fake_mode):
+        out = create(mat_a, mat_b, offs, out_dtype)
+    return resolve("FakeTensor")(fake_mode, out, mat_a.fake_device)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's memory trackers' private fields (measure.step); each left alone where they differ
+
+
+def tracker_frozen_safe(tracker: Any) -> Any:
+    """`tracker`, made to track models with frozen parameters (LoRA, frozen embeddings).
+
+    torch's MemTracker installs a gradient hook on every parameter of each module it enters,
+    and `register_hook` raises on a tensor that does not require grad ("cannot register a hook
+    on a tensor that doesn't require gradient", DESIGN.md section 3). Here the hooks go on the
+    trainable parameters only: a frozen one gets no gradient to count."""
+    original = getattr(tracker, "_track_module_params_and_buffers", None)
+    handles: Any = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if original is None or not hasattr(handles, "get"):  # a WeakIdKeyDictionary on torch 2.13
+        return tracker
+    grad_kind = resolve("_MemRefType").GRAD
+
+    def count_grad(grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            tracker._update_and_maybe_create_winfos(grad, grad_kind)
+
+    def track(module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        tracked: tuple[int, int] = original(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and handles.get(param) is None:
+                    handles[param] = (
+                        param.register_hook(count_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: count_grad(p.grad)),
+                    )
+        return tracked
+
+    tracker._track_module_params_and_buffers = track
+    return tracker
+
+
+_PEAK_FIELDS = ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+
+
+def tracker_global_peak_only(tracker: Any) -> None:
+    """Keep only the tracker-wide peak. After every operator torch's trackers also update each
+    tracked module's peak by walking every module tracked so far, which is a fifth of a
+    simulation's time on the demo model and unused by autoshard."""
+    if not all(hasattr(tracker, name) for name in _PEAK_FIELDS):
+        return
+
+    def update(peak_state: Any) -> None:
+        for device, snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
+                tracker._peak_mem[device] = snapshot["Total"]
+                tracker._peak_mem_snap[device] = dict(snapshot)
+
+    tracker._update_peak_stats = update
+
+
+def tracker_reset_peak(tracker: Any) -> None:
+    """Start a new peak from the current bytes (without the fields the phases share the peak of
+    the whole step, which only overestimates)."""
+    if hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap"):
+        tracker._peak_mem = {}
+        tracker._peak_mem_snap = {}

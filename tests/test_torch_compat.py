@@ -1,0 +1,303 @@
+"""`autoshard._torch_compat`: every private torch name the package uses resolves on this torch,
+a missing one is named with the feature that needs it, no other module reaches one, and every
+patch of torch is undone on every way out (issue 13)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import pathlib
+import re
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard import _torch_compat as compat
+from autoshard.measure import fake
+from autoshard.measure.quiet import own_runs_quiet
+from autoshard.strategies.engines import checkpoint_block
+
+PACKAGE = pathlib.Path(compat.__file__).parent
+
+# ---------------------------------------------------------------------------------------------
+# Each symbol, present here; absent, named
+
+
+@pytest.mark.parametrize("name", sorted(compat.SYMBOLS))
+def test_symbol_resolves_on_this_torch(name: str) -> None:
+    assert compat.resolve(name) is not None  # a missing one raises with the message below
+
+
+def _remove(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make `path` ("module:attr.attr") absent for the duration of the test."""
+    module_name, _, attrs = path.partition(":")
+    *owners, last = [module_name.split(".")[-1], *attrs.split(".")]
+    parent: Any = importlib.import_module(module_name)
+    chain = [parent]
+    for attr in owners[1:]:
+        chain.append(getattr(chain[-1], attr))
+    owner = chain[-1]
+    monkeypatch.delattr(owner, last)
+    if hasattr(owner, last) and len(chain) > 1:  # created again on access (torch.ops namespaces)
+        monkeypatch.setattr(chain[-2], owners[-1], types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("name", sorted(compat.SYMBOLS))
+def test_a_missing_symbol_is_named_with_its_use_and_the_torch_version(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    symbol = compat.SYMBOLS[name]
+    _remove(monkeypatch, symbol.path)
+    expected = (
+        f"autoshard needs {symbol.dotted} for {symbol.used_for}; this torch "
+        f"{torch.__version__} lacks it"
+    )
+    with pytest.raises(compat.MissingTorchSymbol, match=re.escape(expected)):
+        compat.resolve(name)
+    assert compat.missing(name) is not None and compat.missing(name).startswith(expected)  # type: ignore[union-attr]
+
+
+def test_package_errors_name_the_missing_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
+    version = torch.__version__
+    fake_pg = importlib.import_module("torch.testing._internal.distributed.fake_pg")
+    monkeypatch.delattr(fake_pg, "FakeStore")
+    assert fake.unavailable() == (
+        f"torch {version} lacks the memory trackers (autoshard needs "
+        f"torch.testing._internal.distributed.fake_pg.FakeStore for simulating any world size "
+        f"(the fake process group); this torch {version} lacks it (AttributeError: module "
+        f"'torch.testing._internal.distributed.fake_pg' has no attribute 'FakeStore'))"
+    )
+    composable = importlib.import_module("torch.distributed._composable")
+    monkeypatch.delattr(composable, "checkpoint")
+    with pytest.raises(compat.MissingTorchSymbol) as raised:
+        checkpoint_block(nn.Linear(2, 2))
+    assert str(raised.value).startswith(
+        f"autoshard needs torch.distributed._composable.checkpoint for activation checkpointing "
+        f"of non-HF blocks; this torch {version} lacks it"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Private fields of torch objects (not importable names): present on this torch
+
+
+def test_private_fields_of_torch_objects_are_there() -> None:
+    base, other = torch.zeros(3), torch.zeros(3)
+    key = compat.storage_key(base.untyped_storage())
+    assert key == compat.storage_key(base[1:].untyped_storage())  # a view: the same storage
+    assert key != compat.storage_key(other.untyped_storage())
+    data = list(range(4))
+    assert compat.sampler_num_samples(torch.utils.data.RandomSampler(data)) is None
+    assert compat.sampler_num_samples(torch.utils.data.RandomSampler(data, num_samples=2)) == 2
+    parent = nn.Sequential(nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1))
+    compat.keep_children(parent, 2)
+    assert [type(m) for m in parent] == [nn.Linear, nn.ReLU]
+    assert compat.is_batch_norm(nn.BatchNorm1d(2)) and not compat.is_batch_norm(nn.Linear(1, 1))
+    _, mem_tracker = compat.mem_trackers()
+    tracker = mem_tracker()
+    assert hasattr(compat.resolve("_MemRefType"), "GRAD")
+    for field in (
+        *compat._PEAK_FIELDS,
+        "_track_module_params_and_buffers",
+        "_param_to_grad_hook_handles",
+        "_update_and_maybe_create_winfos",
+    ):
+        assert hasattr(tracker, field), f"torch {torch.__version__}'s MemTracker lacks {field}"
+    assert compat.allocation_tag() is not None
+    assert isinstance(compat.profiler_enabled(), bool)
+
+
+@contextlib.contextmanager
+def _one_rank_fake_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    dist.init_process_group("fake", rank=0, world_size=1, store=compat.fake_store())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_param_groups_have_pluggable_comms_and_the_default_group_a_store() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with _one_rank_fake_group():
+        assert compat.default_group() is not None and compat.default_store() is not None
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        groups = compat.fsdp_param_groups(module)
+        assert groups, "FSDP2 state has neither _fsdp_param_groups nor _fsdp_param_group"
+        assert compat.has_pluggable_comms(groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patches of torch, undone on every path
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise _Refused
+
+
+def test_resize_hook_sees_each_resize_and_is_undone_on_exit_and_when_it_fails() -> None:
+    original = torch.UntypedStorage.resize_
+    storage = torch.zeros(0, dtype=torch.uint8).untyped_storage()
+    seen: list[int] = []
+    with compat.storage_resize_hook(lambda s: seen.append(s.nbytes())):
+        storage.resize_(64)
+        storage.resize_(0)
+    assert seen == [64, 0] and torch.UntypedStorage.resize_ is original
+    with pytest.raises(_Refused), compat.storage_resize_hook(_refuse):
+        storage.resize_(8)  # the hook itself fails
+    assert torch.UntypedStorage.resize_ is original
+    with pytest.raises(_Refused), compat.storage_resize_hook(len), _FailingMode():
+        pass
+    assert torch.UntypedStorage.resize_ is original
+    # LiveBytes' own failures are in tests/test_meter.py
+
+
+class _FailingMode:
+    def __enter__(self) -> None:
+        raise _Refused
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def test_fake_kernel_removed_when_the_enclosing_mode_fails_or_the_body_raises() -> None:
+    checks = compat.resolve("op_implementations_checks")
+    before = list(checks)
+    with fake.wider_fake_kernels():
+        assert len(checks) == len(before) + 1
+    assert checks == before
+    with pytest.raises(_Refused), fake.wider_fake_kernels(), _FailingMode():
+        pass
+    assert checks == before
+    with pytest.raises(_Refused), fake.wider_fake_kernels():
+        _refuse()
+    assert checks == before
+
+
+def test_quiet_runs_put_the_logger_and_excepthook_back_on_error() -> None:
+    import logging
+
+    logger = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
+    filters = list(logger.filters)
+    hook = sys.excepthook
+    with pytest.raises(_Refused), own_runs_quiet():
+        sys.excepthook = _refuse
+        assert len(logger.filters) == len(filters) + 1
+        _refuse()
+    assert logger.filters == filters and sys.excepthook is hook
+
+
+# ---------------------------------------------------------------------------------------------
+# No module but _torch_compat reaches a private torch name
+
+# Private attributes of objects other than torch's, reached by name (transformers' models)
+NOT_TORCH = frozenset({"_no_split_modules", "_gradient_checkpointing_func"})
+_TORCH_PRIVATE_PATH = re.compile(r"^torch(\.\w+)*\._[A-Za-z]")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own_private_names(sources: list[str]) -> set[str]:
+    """Private names autoshard defines itself (functions, classes, variables, self attributes):
+    reaching those on another object is not reaching torch."""
+    names: set[str] = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and _on_self(node):
+                names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def private_torch_uses(source: str, own: set[str]) -> list[str]:
+    """Each private torch name `source` reaches: an import from a private torch module or of a
+    private name, a private attribute of anything but autoshard's own objects, a "torch._x"
+    dotted path in a string, a private name given to getattr/hasattr/setattr/delattr."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = [*(node.module or "").split("."), *(a.name for a in node.names)]
+            if any(map(_private, parts)):
+                found.append(f"{line}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{line}: import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))
+            ]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and not _on_self(node):
+            if node.attr not in own:
+                found.append(f"{line}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _TORCH_PRIVATE_PATH.match(node.value):
+                found.append(f"{line}: {node.value!r}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            by_name = node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            if by_name and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                name = node.args[1].value
+                if isinstance(name, str) and _private(name) and name not in own | NOT_TORCH:
+                    found.append(f"{line}: {node.func.id}(..., {name!r})")
+    return found
+
+
+def _sources() -> dict[str, str]:
+    return {
+        str(path.relative_to(PACKAGE.parent)): path.read_text()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "_torch_compat.py"
+    }
+
+
+def test_no_module_but_torch_compat_reaches_a_private_torch_name() -> None:
+    sources = _sources()
+    own = _own_private_names(list(sources.values()))
+    found = {
+        name: uses for name, source in sources.items() if (uses := private_torch_uses(source, own))
+    }
+    assert found == {}, f"private torch names outside autoshard/_torch_compat.py: {found}"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from torch.utils._pytree import tree_map",
+        "import torch.testing._internal.distributed.fake_pg",
+        "from torch.distributed.distributed_c10d import _get_default_group",
+        "x = torch.ops.aten._grouped_mm.default",
+        "y = module._get_fsdp_state()",
+        "z = getattr(state, '_fsdp_param_group', None)",
+        "LOGGER = 'torch._subclasses.fake_tensor'",
+    ],
+)
+def test_the_scan_finds_a_private_torch_name_added_to_a_module(line: str) -> None:
+    sources = _sources()
+    own = _own_private_names(list(sources.values()))
+    plan = sources[str(pathlib.Path("autoshard", "decide", "plan.py"))]
+    assert private_torch_uses(plan, own) == []
+    assert private_torch_uses(f"{plan}\n{line}\n", own) != []
