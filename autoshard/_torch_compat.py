@@ -245,10 +245,10 @@ def fsdp_comms_wrapped(groups: list[Any], wrap: Callable[[Any], Any]) -> Iterato
         yield False
         return
     originals = [(g, g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
-    for group, all_gather, reduce_scatter in originals:
-        group._all_gather_comm = wrap(all_gather)
-        group._reduce_scatter_comm = wrap(reduce_scatter)
-    try:
+    try:  # a failure while wrapping (in `wrap`) puts back the groups already wrapped
+        for group, all_gather, reduce_scatter in originals:
+            group._all_gather_comm = wrap(all_gather)
+            group._reduce_scatter_comm = wrap(reduce_scatter)
         yield True
     finally:
         for group, all_gather, reduce_scatter in originals:

@@ -190,6 +190,37 @@ def test_fake_kernel_removed_when_the_enclosing_mode_fails_or_the_body_raises() 
     assert checks == before
 
 
+def _groups(n: int) -> list[Any]:
+    return [
+        types.SimpleNamespace(_all_gather_comm=f"ag{i}", _reduce_scatter_comm=f"rs{i}")
+        for i in range(n)
+    ]
+
+
+def test_fsdp_comms_put_back_when_wrapping_fails_part_way_or_the_body_raises() -> None:
+    groups = _groups(3)
+    made: list[Any] = []
+
+    def wrap_twice(comm: Any) -> Any:
+        if len(made) == 3:  # the second group's reduce-scatter
+            raise _Refused
+        made.append(comm)
+        return ("wrapped", comm)
+
+    with pytest.raises(_Refused), compat.fsdp_comms_wrapped(groups, wrap_twice):
+        pass
+    assert [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups] == [
+        (f"ag{i}", f"rs{i}") for i in range(3)
+    ]
+    with pytest.raises(_Refused), compat.fsdp_comms_wrapped(groups, lambda c: ("w", c)) as ok:
+        assert ok and groups[2]._reduce_scatter_comm == ("w", "rs2")
+        _refuse()
+    assert groups[2]._reduce_scatter_comm == "rs2"
+    without = [types.SimpleNamespace()]
+    with compat.fsdp_comms_wrapped(without, _refuse) as ok:
+        assert ok is False
+
+
 def test_quiet_runs_put_the_logger_and_excepthook_back_on_error() -> None:
     import logging
 
