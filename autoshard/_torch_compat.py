@@ -4,7 +4,7 @@ Each entry of `SYMBOLS` is a "module:attribute.path" with what autoshard uses it
 `tests/test_torch_compat.py` resolves each on the installed torch. A missing one raises
 `MissingTorchSymbol` naming the symbol, the torch version and the feature that needs it, except
 where autoshard already does without it (no pluggable FSDP2 comms, no tracker peak fields, no
-oneDNN): there the graceful path stays, and is decided here.
+oneDNN, no `_grouped_mm`): there the graceful path stays, and is decided here.
 
 Checked: torch 2.13.0 (this repository's CPU environment). The GPU suite's "compat" section
 (`benchmarks/_gpu_compat.py`) probes the same names on the GPU machine's torch 2.11.
@@ -97,6 +97,7 @@ SYMBOLS: dict[str, Symbol] = {
     "_get_default_store": Symbol(
         "torch.distributed.distributed_c10d:_get_default_store", "agreement between ranks"
     ),
+    # Graceful where absent: no fp32 fake kernel is installed (nothing runs through it).
     "_grouped_mm": Symbol("torch:ops.aten._grouped_mm", "fp32 _grouped_mm fakes (MoE experts)"),
     # Graceful where absent (a torch without oneDNN): the CPU counts as having no native bf16.
     "_is_mkldnn_bf16_supported": Symbol(
@@ -279,8 +280,11 @@ def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterat
 
 
 def grouped_mm() -> Any:
-    """`torch.ops.aten._grouped_mm.default`."""
-    return resolve("_grouped_mm").default
+    """`torch.ops.aten._grouped_mm.default`, or None on a torch without it."""
+    try:
+        return resolve("_grouped_mm").default
+    except MissingTorchSymbol:
+        return None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoshard import _torch_compat as compat
-from autoshard.measure import fake
+from autoshard.measure import fake, workspace
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.strategies.engines import checkpoint_block
 
@@ -81,6 +81,27 @@ def test_package_errors_name_the_missing_symbol(monkeypatch: pytest.MonkeyPatch)
         f"autoshard needs torch.distributed._composable.checkpoint for activation checkpointing "
         f"of non-HF blocks; this torch {version} lacks it"
     )
+
+
+def test_cpu_workspace_is_skipped_with_the_reason_without_the_profiler_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert workspace.why_not(torch.device("cpu")) is None
+    monkeypatch.delattr(torch.autograd.profiler, "_is_profiler_enabled")
+    reason = workspace.why_not(torch.device("cpu"))
+    assert reason is not None and reason.startswith(
+        f"autoshard needs torch.autograd.profiler._is_profiler_enabled for measuring CPU kernel "
+        f"workspace; this torch {torch.__version__} lacks it"
+    )
+
+
+def test_graceful_without_onednn_and_without_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = list(compat.resolve("op_implementations_checks"))
+    monkeypatch.setattr(torch, "ops", types.SimpleNamespace(aten=object(), mkldnn=object()))
+    assert compat.cpu_has_native_bf16() is False
+    assert compat.grouped_mm() is None
+    with fake.wider_fake_kernels():  # nothing to widen
+        assert compat.resolve("op_implementations_checks") == checks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from autoshard._torch_compat import (
     TorchDispatchMode,
     allocation_tag,
     disable_current_modes,
+    missing,
     profiler_enabled,
     tree_flatten,
     tree_map,
@@ -69,6 +70,8 @@ def why_not(device: torch.device) -> str | None:
         return "no CUDA device here"
     if device.type not in ("cpu", "cuda"):
         return f"not measured on {device.type}"
+    if device.type == "cpu" and (lacks := missing("_is_profiler_enabled", "_EventType")):
+        return lacks
     if device.type == "cpu" and profiler_enabled():
         return "a profiler is running, and the CPU is measured with one"
     return None
