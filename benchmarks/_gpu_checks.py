@@ -152,7 +152,8 @@ def estimate_missing_activations() -> Iterator[None]:
     with (
         mock.patch("autoshard.pipeline.measure", missing),
         mock.patch(
-            "autoshard.measure.simulated.simulate_all", lambda *a, **k: ({}, "not simulated (stand-in)")
+            "autoshard.measure.simulated.simulate_all",
+            lambda *a, **k: ({}, "not simulated (stand-in)"),
         ),
     ):
         yield
