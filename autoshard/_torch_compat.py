@@ -219,7 +219,7 @@ def keep_children(parent: torch.nn.Module, count: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2 internals (collective.fsdp_sync_points)
+# FSDP2 internals (sync.fsdp_sync_points)
 
 
 def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:

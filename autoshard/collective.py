@@ -31,19 +31,15 @@ import contextlib
 import math
 import pickle
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from autoshard._torch_compat import (
     default_group,
     default_store,
-    fsdp_comms_wrapped,
-    fsdp_param_groups,
 )
 from autoshard._world import World
 
@@ -344,48 +340,3 @@ class Agreement:
     def check(self) -> None:
         if any(c for c, _ in self.sync()):
             raise PeerFailed
-
-
-class _Synced:
-    """An FSDP2 comm object that reaches a sync point before the collective it wraps."""
-
-    def __init__(self, inner: Any, agreement: Agreement) -> None:
-        self.inner = inner
-        self.agreement = agreement
-
-    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.inner.allocate(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.agreement.check()
-        return self.inner(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def fsdp_sync_points(module: nn.Module, agreement: Agreement) -> Iterator[bool]:
-    """Wrap every FSDP2 unit's all-gather and reduce-scatter with a sync point, as
-    `FSDPModule.set_custom_all_gather` would (it refuses units with several param groups);
-    yields whether this torch has pluggable comms."""
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [
-        g for m in module.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)
-    ]
-    # FSDP2 before pluggable comms yields False: only the step-level sync points remain
-    with fsdp_comms_wrapped(groups, lambda comm: _Synced(comm, agreement)) as pluggable:
-        yield pluggable
-
-
-def ddp_sync_points(ddp: nn.Module, agreement: Agreement) -> Any:
-    """A sync point before DDP's forward and before each bucket's all-reduce. A comm hook cannot
-    be removed: the caller re-creates the DDP wrapper after the trial."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    # Unannotated on purpose: DDP rejects a `bucket` annotation other than the GradBucket class,
-    # and postponed annotations (PEP 563) would turn it into a string.
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        agreement.check()
-        return allreduce_hook(None, bucket)  # type: ignore[arg-type]
-
-    ddp.register_comm_hook(None, hook)  # type: ignore[operator]
-    return ddp.register_forward_pre_hook(lambda module, args: agreement.check())

@@ -46,7 +46,7 @@ def _tracker_fields() -> bool:
 
 def _pluggable_comms() -> bool:
     """FSDP2 param groups with `_all_gather_comm`/`_reduce_scatter_comm`, on a one-rank fake
-    group (what `collective.fsdp_sync_points` swaps)."""
+    group (what `sync.fsdp_sync_points` swaps)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -137,7 +137,7 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
     (
         "FSDP2 pluggable comms: param groups (state._fsdp_param_groups, older _fsdp_param_group) "
         "with _all_gather_comm/_reduce_scatter_comm",
-        "collective.fsdp_sync_points: OOM agreement at every collective",
+        "sync.fsdp_sync_points: OOM agreement at every collective",
         "ranks agree only before the optimizer step and after the trial (the plan notes it)",
         _pluggable_comms,
     ),

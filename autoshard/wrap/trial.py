@@ -27,9 +27,7 @@ from autoshard.collective import (
     OOM,
     Agreement,
     PeerFailed,
-    ddp_sync_points,
     exchange,
-    fsdp_sync_points,
     settle,
 )
 from autoshard.decide.job import Decision, Work
@@ -45,6 +43,7 @@ from autoshard.wrap.meter import (
     memory_cap,
 )
 from autoshard.wrap.snapshot import restore, take_snapshot
+from autoshard.wrap.sync import ddp_sync_points, fsdp_sync_points
 
 MAX_ATTEMPTS = 4
 # What a rung whose step died of OOM is assumed to have needed, relative to the usable memory.
