@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -427,6 +428,21 @@ def test_nothing_fits_raises_does_not_fit_with_the_missing_amount() -> None:
     assert "smaller per-rank batch" in message  # what would help
     assert "more ranks" in message
     assert "memory_limit" in message
+
+
+def test_nothing_fits_names_the_candidates_left_out_as_crashing() -> None:
+    """DoesNotFit weighs only the candidates offered: those whose step would crash are named, so
+    that "no strategy fits" does not read as if FULL_SHARD had been weighed too."""
+    crashed = {(Strategy.FULL_SHARD, False): "ValueError: shared with another FSDP group"}
+    inputs = replace(make_inputs(8, MiB, None), crashed=crashed)
+    with pytest.raises(DoesNotFit) as info:
+        decide(inputs, ALL, None, None)
+    message = str(info.value)
+    assert "not offered, as their step fails" in message, message
+    assert "FULL_SHARD (ValueError: shared with another FSDP group)" in message, message
+    with pytest.raises(DoesNotFit) as plain:
+        decide(make_inputs(8, MiB, None), ALL, None, None)
+    assert "not offered" not in str(plain.value)
 
 
 def test_nothing_fits_without_a_profile() -> None:

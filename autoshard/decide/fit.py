@@ -49,9 +49,19 @@ class DoesNotFit(ValueError):
             f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
             f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
             f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
-            f"device has.",
+            f"device has.{_not_offered(inputs)}",
             max(device_missing, host_missing),
         )
+
+
+def _not_offered(inputs: PlanInputs) -> str:
+    """The candidates left out of the search because their step would crash: without a word of
+    them, "no strategy fits" reads as if every strategy had been weighed."""
+    if not inputs.crashed:
+        return ""
+    from autoshard.decide.crashes import not_offered_note
+
+    return f" Also {not_offered_note(inputs.crashed)}."
 
 
 def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
