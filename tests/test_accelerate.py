@@ -203,6 +203,38 @@ def test_block_class_used_elsewhere_warns() -> None:
     assert any("wraps modules by class name" in w and "'head'" in w for w in caught), caught
 
 
+def test_a_tied_module_of_the_block_class_is_refused_before_accelerate_wraps_it() -> None:
+    """The last block shares its weight with the head: autoshard keeps it in the root unit, but
+    accelerate, wrapping by class name, would make it a unit and FSDP2 would refuse it."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.head = nn.Linear(16, 16)
+            self.head.weight = self.blocks[2].weight  # tied
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return nn.functional.cross_entropy(self.head(x), y)
+
+    torch.manual_seed(0)
+    model = Model()
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        (torch.randn(4, 16), torch.randint(16, (4,))),
+        world_size=2,
+        device_memory="1GiB",
+        strategy="full_shard",
+        mixed_precision="no",
+    )
+    assert plan.num_blocks == 2, plan.reasons  # blocks.2 stays in the root
+    with pytest.raises(ValueError, match=r"'blocks\.2' \(Linear, the class of the blocks\) shares"):
+        autoshard.accelerate_kwargs(plan, model)
+
+
 # ---------------------------------------------------------------------------------------------
 # DDP and one-process plans, and what is not expressible
 

@@ -41,7 +41,7 @@ def blocks_and_notes(model: nn.Module) -> tuple[Blocks, list[str]]:
         found = _repeated(_outermost_of_classes(model, set(no_split)))
     if not found:
         found = _from_containers(model)
-    return _without_shared(model, found)
+    return without_shared(model, found)
 
 
 def _outermost_of_classes(model: nn.Module, class_names: set[str]) -> Blocks:
@@ -130,7 +130,7 @@ def _unit_of(name: str, block_names: Iterable[str]) -> str:
     return next((b for b in block_names if name == b or name.startswith(b + ".")), "")
 
 
-def _without_shared(model: nn.Module, blocks: Blocks) -> tuple[Blocks, list[str]]:
+def without_shared(model: nn.Module, blocks: Blocks) -> tuple[Blocks, list[str]]:
     """Leave out every block that shares a parameter with another unit (the root or another
     block): FSDP2 raises "Parameter ... is shared with a parameter already managed by another
     FSDP group" otherwise. Left out, a block's parameters belong to the root unit, its sharer's."""

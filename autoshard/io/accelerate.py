@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from autoshard._world import _cuda
-from autoshard.decide.blocks import find_blocks
+from autoshard.decide.blocks import find_blocks, without_shared
 from autoshard.decide.plan import Plan
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
@@ -150,17 +150,30 @@ def _warn_on_extra_units(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], classes: list[str]
 ) -> None:
     """accelerate wraps by class: modules of a block's class that are not blocks become FSDP units
-    of their own too (e.g. blocks that are plain nn.Sequential)."""
+    of their own too (e.g. blocks that are plain nn.Sequential). One left out of the blocks
+    because it shares a parameter with another unit (tied weights) would make FSDP2 fail: that is
+    an error here, before accelerate is built."""
     names = {name for name, _ in blocks}
     extra = [
-        name
+        (name, module)
         for name, module in model.named_modules()
         if type(module).__name__ in classes and name not in names
     ]
+    kept, _ = without_shared(model, extra)
+    tied = [name for name, _ in extra if name not in {n for n, _ in kept}]
+    if tied:
+        cls = type(model.get_submodule(tied[0])).__name__
+        raise ValueError(
+            f"accelerate wraps modules by class name, and '{tied[0]}' ({cls}, the class of the "
+            f"blocks) shares a parameter with another part of the model (tied "
+            f"weights), so accelerate would make it an FSDP unit of its own, which FSDP2 refuses "
+            f'("shared with a parameter already managed by another FSDP group"); train this '
+            f"model with autoshard.prepare, which keeps it in the root unit"
+        )
     if extra:
         warnings.warn(
             f"accelerate wraps modules by class name, and {len(extra)} module(s) of the block "
-            f"class(es) {', '.join(classes)} are not blocks (e.g. '{extra[0] or 'the model'}'): "
+            f"class(es) {', '.join(classes)} are not blocks (e.g. '{extra[0][0] or 'the model'}'): "
             f"each becomes an FSDP unit of its own as well",
             stacklevel=4,
         )
