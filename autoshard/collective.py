@@ -160,7 +160,7 @@ def _exchange_bytes(world: World, what: str, blob: bytes) -> list[bytes]:
         raise PeerTimeout(
             f"rank {world.rank} lost contact with the job's key-value store at {what} "
             f"({type(error).__name__}: {error}); the rank hosting it (rank 0 under torchrun) has "
-            f"probably died: see its log",
+            f"died, or exited after giving up on this rank: see its log",
             [0],
         ) from error
     gone = [r for r, v in enumerate(values) if v.startswith(_ABANDONED)]

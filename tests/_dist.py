@@ -146,7 +146,9 @@ def _start(command: list[str], env: dict[str, str], cwd: Path = REPO) -> subproc
     )
 
 
-def run_ranks(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]:
+def run_ranks(
+    script: Path, *args: str, timeout: float, nproc: int = NPROC
+) -> tuple[int, str, bool]:
     """Start NPROC ranks of `script` directly, without torchrun, with the variables torchrun
     would set: a rank that dies (SIGKILL) then leaves the others running, as on a real cluster
     whose launcher is slower to react than autoshard's agreement. Returns (the worst return
@@ -157,7 +159,7 @@ def run_ranks(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     procs = []
-    for r in range(NPROC):
+    for r in range(nproc):
         env = dict(os.environ)
         env.update(
             OMP_NUM_THREADS="1",
@@ -166,8 +168,8 @@ def run_ranks(script: Path, *args: str, timeout: float) -> tuple[int, str, bool]
             CUDA_VISIBLE_DEVICES="",
             RANK=str(r),
             LOCAL_RANK=str(r),
-            WORLD_SIZE=str(NPROC),
-            LOCAL_WORLD_SIZE=str(NPROC),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
@@ -192,19 +194,23 @@ def launch(
     *args: str,
     timeout: float = TIMEOUT_S,
     launcher: tuple[str, ...] | None = TORCHRUN,
+    nproc: int = NPROC,
 ) -> Launch:
     """Run tests/workers/<worker>.py on NPROC gloo ranks under torchrun (or `launcher`; None
-    starts the ranks directly, see `run_ranks`) and collect results."""
+    starts the ranks directly, see `run_ranks`, and `nproc` of them) and collect results."""
+    assert launcher is None or nproc == NPROC, "torchrun launches start NPROC ranks"
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     script = WORKERS / f"{worker}.py"
     if launcher is None:
-        returncode, output, timed_out = run_ranks(script, str(out_dir), *args, timeout=timeout)
+        returncode, output, timed_out = run_ranks(
+            script, str(out_dir), *args, timeout=timeout, nproc=nproc
+        )
     else:
         returncode, output, timed_out = run_torchrun(
             script, str(out_dir), *args, timeout=timeout, launcher=launcher
         )
-    ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(NPROC)]
+    ranks = [_read_results(out_dir / f"rank{r}.json") for r in range(nproc)]
     return Launch(
         worker=worker,
         out_dir=out_dir,

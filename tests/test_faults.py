@@ -580,3 +580,55 @@ def test_the_readme_states_the_guarantees_these_tests_check() -> None:
     section = " ".join(section[: section.index("#### When one rank fails")].split())
     for phrase in GUARANTEES:
         assert phrase in section.replace("**", ""), phrase
+
+
+# ---------------------------------------------------------------------------------------------
+# The agreement on four ranks (tests/workers/agree4.py)
+
+
+@pytest.fixture(scope="module")
+def agree4(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return launch("agree4", tmp_path_factory.mktemp("agree4"), launcher=None, nproc=4)
+
+
+def _four(run: Launch, name: str) -> list[Any]:
+    return case(run, name, ranks=(0, 1, 2, 3))
+
+
+@pytest.mark.dist
+def test_four_ranks_agree_on_every_value_in_rank_order(agree4: Launch) -> None:
+    for values in _four(agree4, "values_in_rank_order"):
+        assert values == [0, 10, 20, 30]
+    assert all(_four(agree4, "many_rounds"))
+
+
+@pytest.mark.dist
+def test_one_rank_of_four_failing_raises_its_type_on_every_rank(agree4: Launch) -> None:
+    for r, result in enumerate(_four(agree4, "error_on_rank2")):
+        assert result["type"] == "KeyError", result
+        assert "injected on rank 2" in result["message"], result
+        if r != 2:
+            assert "rank 2 failed in a test" in result["message"], result
+
+
+@pytest.mark.dist
+def test_several_failing_ranks_each_keep_their_own_and_the_others_hear_the_lowest(
+    agree4: Launch,
+) -> None:
+    results = _four(agree4, "errors_on_ranks_1_and_3")
+    for r, result in enumerate(results):
+        assert result["type"] == "KeyError", result
+        expected = f"injected on rank {r}" if r in (1, 3) else "rank 1 failed in a test"
+        assert expected in result["message"], (r, result)
+
+
+@pytest.mark.dist
+def test_a_stalled_rank_of_four_is_named_by_the_others_and_told_it_came_late(
+    agree4: Launch,
+) -> None:
+    results = _four(agree4, "rank3_stalls")
+    for result in results[:3]:
+        assert result["type"] == "PeerTimeout", result
+        assert "rank(s) [3] did not answer within 3 s" in result["message"], result
+    late = results[3]
+    assert late["type"] == "PeerTimeout" and "arrived too late" in late["message"], late
