@@ -8,6 +8,7 @@ from autoshard.api import Prepared, plan, prepare
 from autoshard.collective import PeerError, PeerTimeout, set_agreement_timeout
 from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.plan import Attempt, Candidate, Plan
+from autoshard.decide.precision import Precision
 from autoshard.io.accelerate import accelerate_kwargs
 from autoshard.io.checkpoint import load, save
 from autoshard.io.data import shard_dataloader
@@ -20,6 +21,7 @@ __all__ = [
     "PeerError",
     "PeerTimeout",
     "Plan",
+    "Precision",
     "Prepared",
     "Strategy",
     "accelerate_kwargs",

@@ -30,6 +30,7 @@ from autoshard.decide.consistent import (
     warn_if_buffers_differ,
 )
 from autoshard.decide.job import Decision, Ranks, Work
+from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
     check_batch_device,
     check_model,
@@ -49,7 +50,6 @@ from autoshard.measure.facts import (
     worst,
 )
 from autoshard.measure.simulated import with_simulation
-from autoshard.wrap.apply import DTYPES
 
 logger = logging.getLogger("autoshard")
 
@@ -87,7 +87,7 @@ class _Gathered:
     report: RankReport
     work: Work
     blocks: list[tuple[str, nn.Module]]
-    mixed_precision: str
+    mixed_precision: Precision
     reasons: list[str]
     meta_note: tuple[str, ...]  # the batch was moved to meta for a model on meta
 
@@ -143,7 +143,7 @@ def gather(call: Call, target: Target) -> _Gathered:
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target.device, model)
     batch, meta_note = batch_for_meta(model, call.batch)
     progress(target, "tracing one step of the example batch for its activations")
-    measured = measure(model, [m for _, m in blocks], batch, call.loss_fn, DTYPES[mp], names)
+    measured = measure(model, [m for _, m in blocks], batch, call.loss_fn, mp.dtype, names)
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
     memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)

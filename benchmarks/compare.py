@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard._units import parse_bytes
+from autoshard.decide.precision import REQUESTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
@@ -488,7 +489,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mixed-precision",
         default=None,
-        choices=["auto", "bf16", "fp16", "no"],
+        choices=REQUESTS,
         help="fixed for the whole grid (default: 'no' on CPU, 'bf16' on GPU)",
     )
     p.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+from autoshard.decide.precision import REQUESTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mixed-precision",
         default=None,
-        choices=["auto", "bf16", "fp16", "no"],
+        choices=REQUESTS,
         help="the same for every strategy (default: 'no' on CPU, 'bf16' on GPU)",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/out"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoshard.decide.precision import Precision, parse_precision
 from autoshard.measure import facts
 from autoshard.measure.facts import resolve_mixed_precision
 
@@ -17,23 +18,24 @@ def test_auto_on_cpu_uses_bf16_only_where_the_cpu_computes_it_natively(
     monkeypatch: pytest.MonkeyPatch, native: bool, expected: str
 ) -> None:
     monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: native)
-    choice, reason = resolve_mixed_precision("auto", CPU, nn.Linear(4, 4))
+    choice, reason = resolve_mixed_precision(None, CPU, nn.Linear(4, 4))
     assert choice == expected
     assert "(auto)" in reason
     assert ("natively" in reason) if native else ("no native bf16" in reason)
 
 
-@pytest.mark.parametrize("requested", ["bf16", "fp16", "no"])
-def test_a_requested_precision_is_obeyed_and_says_so(requested: str) -> None:
+@pytest.mark.parametrize("requested", list(Precision))
+def test_a_requested_precision_is_obeyed_and_says_so(requested: Precision) -> None:
     choice, reason = resolve_mixed_precision(requested, CPU, nn.Linear(4, 4))
-    assert choice == requested
+    assert choice is requested
+    assert f"mixed precision {requested.value} requested" in reason
     assert "requested by the caller" in reason
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_parameters_already_in_low_precision_turn_it_off(dtype: torch.dtype) -> None:
-    choice, reason = resolve_mixed_precision("bf16", CPU, nn.Linear(4, 4).to(dtype))
-    assert choice == "no"
+    choice, reason = resolve_mixed_precision(Precision.BF16, CPU, nn.Linear(4, 4).to(dtype))
+    assert choice is Precision.NO
     assert "already" in reason and str(dtype) in reason
 
 
@@ -95,7 +97,7 @@ def test_a_prepared_bf16_model_deep_copies_and_pickles() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randn(2, 4)
     prepared, _, plan = autoshard.prepare(model, optimizer, x, mixed_precision="bf16")
-    assert plan.mixed_precision == "bf16"
+    assert plan.mixed_precision is autoshard.Precision.BF16
     assert prepared(x).dtype == torch.float32  # outputs come back in fp32
     copied = copy.deepcopy(prepared)
     with torch.no_grad():
@@ -104,3 +106,47 @@ def test_a_prepared_bf16_model_deep_copies_and_pickles() -> None:
     assert torch.all(copied(x) == 0)
     assert not torch.all(prepared(x) == 0)
     torch.save(prepared, io.BytesIO())
+
+
+def test_precision_is_its_lower_case_value_and_knows_its_dtype() -> None:
+    assert [p.value for p in Precision] == ["bf16", "fp16", "no"]
+    assert Precision.BF16 == "bf16" and f"{Precision.FP16}" == "fp16" and str(Precision.NO) == "no"
+    assert (Precision.BF16.dtype, Precision.FP16.dtype, Precision.NO.dtype) == (
+        torch.bfloat16,
+        torch.float16,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("auto", None),
+        ("bf16", Precision.BF16),
+        ("no", Precision.NO),
+        (Precision.FP16, Precision.FP16),
+    ],
+)
+def test_mixed_precision_accepts_its_strings_and_the_enum(
+    given: str | Precision, expected: Precision | None
+) -> None:
+    assert parse_precision(given) is expected
+
+
+@pytest.mark.parametrize("given", ["fp8", "BF16", None, torch.bfloat16])
+def test_an_unknown_mixed_precision_names_the_choices(given: object) -> None:
+    with pytest.raises(ValueError, match="is not one of 'auto', 'bf16', 'fp16', 'no'$"):
+        parse_precision(given)
+
+
+def test_prepare_takes_a_precision_and_the_plan_carries_it() -> None:
+    import autoshard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, _, plan = autoshard.prepare(
+        model, optimizer, torch.randn(2, 4), mixed_precision=autoshard.Precision.NO
+    )
+    assert plan.mixed_precision is autoshard.Precision.NO
+    assert plan.to_dict()["mixed_precision"] == "no"
+    assert "mixed precision no," in str(plan)

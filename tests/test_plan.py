@@ -19,6 +19,7 @@ from autoshard.decide.cost import step_seconds
 from autoshard.decide.estimate import ModelStats, Setting
 from autoshard.decide.hardware import Hardware, hardware_for
 from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
+from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 
 MiB = 2**20
@@ -69,7 +70,7 @@ def make_inputs(
     compute_bytes: int = 2,
     hardware: Hardware = CPU,
     num_nodes: int = 1,
-    mixed_precision: str = "bf16",
+    mixed_precision: Precision = Precision.BF16,
 ) -> PlanInputs:
     template = Setting(
         strategy=Strategy.LOCAL,

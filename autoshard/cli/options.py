@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Callable
 
 from autoshard._units import parse_bytes
+from autoshard.decide.precision import REQUESTS
 from autoshard.decide.validate import parse_strategy
 from autoshard.strategies.strategy import Strategy
 
@@ -65,7 +66,7 @@ def add_decision_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy", default="auto", type=_strategy_arg, metavar="{" + ",".join(strategies) + "}"
     )
-    parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"])
+    parser.add_argument("--mixed-precision", default="auto", choices=REQUESTS)
     parser.add_argument(
         "--activation-checkpointing",
         type=_ac_arg,

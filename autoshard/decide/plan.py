@@ -7,6 +7,7 @@ from typing import Any
 
 from autoshard.decide.estimate import Footprint, ModelStats, Setting, Simulated
 from autoshard.decide.hardware import Hardware
+from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.strategies.strategy import Strategy
 
@@ -52,7 +53,7 @@ class PlanInputs:
     setting: Setting  # template: strategy and checkpointed are filled per candidate
     hardware: Hardware
     num_blocks: int
-    mixed_precision: str
+    mixed_precision: Precision
     reasons: tuple[str, ...] = ()
     simulated: dict[Strategy, Simulated] = field(default_factory=dict)  # per strategy, if run
     host_usable_bytes: int | None = None  # host RAM per rank for CPU offload (None: unknown)
@@ -79,7 +80,7 @@ class Plan:
     """What autoshard chose, why, and what every candidate would have cost (per rank)."""
 
     strategy: Strategy
-    mixed_precision: str
+    mixed_precision: Precision
     activation_checkpointing: int
     cpu_offload: bool
     estimated_peak_bytes: int

@@ -133,7 +133,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     """`Plan.to_dict`: every field, in plain JSON types."""
     return {
         "strategy": plan.strategy.value,
-        "mixed_precision": plan.mixed_precision,
+        "mixed_precision": plan.mixed_precision.value,
         "activation_checkpointing": plan.activation_checkpointing,
         "cpu_offload": plan.cpu_offload,
         "estimated_peak_bytes": plan.estimated_peak_bytes,

@@ -12,9 +12,8 @@ from torch import nn
 
 from autoshard._units import parse_bytes
 from autoshard.decide.optimizer import unowned_parameters
+from autoshard.decide.precision import Precision, parse_precision
 from autoshard.strategies.strategy import Strategy
-
-MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class Request:
     """The caller's choices, normalised: None means "auto"."""
 
     strategy: Strategy | None
-    mixed_precision: str
+    mixed_precision: Precision | None
     activation_checkpointing: int | None
     memory_limit: int | None
     accumulation_steps: int = 1  # micro-batches whose gradients are summed before each step
@@ -133,14 +132,10 @@ def check_request(
         raise TypeError(f"loss_fn must be callable as loss_fn(output, batch), got {loss_fn!r}")
     if not isinstance(trial_step, bool):
         raise TypeError(f"trial_step must be True or False, got {trial_step!r}")
-    if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not one of "
-            f"{', '.join(map(repr, MIXED_PRECISION))}"
-        )
+    precision = parse_precision(mixed_precision)
     return Request(
         strategy=parse_strategy(strategy),
-        mixed_precision=mixed_precision,
+        mixed_precision=precision,
         activation_checkpointing=_parse_checkpointing(activation_checkpointing),
         memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
         accumulation_steps=_parse_accumulation(accumulation_steps),

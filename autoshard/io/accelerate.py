@@ -24,7 +24,6 @@ from autoshard.decide.blocks import find_blocks, without_shared
 from autoshard.decide.plan import Plan
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.apply import DTYPES
 
 
 def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
@@ -68,7 +67,7 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
             f"the plan was made for a model with {plan.num_blocks} repeated block(s), but this "
             f"model has {len(blocks)}; pass the model the plan was made for, unwrapped"
         )
-    kwargs: dict[str, Any] = {"mixed_precision": plan.mixed_precision}
+    kwargs: dict[str, Any] = {"mixed_precision": plan.mixed_precision.value}
     if not _cuda():
         kwargs["cpu"] = True
     if plan.strategy.sharded:
@@ -113,7 +112,7 @@ def fsdp_plugin(plan: Plan, model: nn.Module, blocks: list[tuple[str, nn.Module]
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = DTYPES[plan.mixed_precision]
+    dtype = plan.mixed_precision.dtype
     classes = sorted({type(module).__name__ for _, module in blocks})
     _warn_on_extra_units(model, blocks, classes)
     # As `prepare` does (autoshard/wrap/apply.py): parameters gathered in the compute dtype,

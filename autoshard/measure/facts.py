@@ -21,6 +21,7 @@ from autoshard.decide.hardware import hardware_for
 from autoshard.decide.job import Ranks, Work
 from autoshard.decide.optimizer import optimizer_state_bytes, step_temporary_bytes
 from autoshard.decide.plan import PlanInputs
+from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure.fake import shallow_copy
@@ -28,7 +29,6 @@ from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.simulate import shallow_depths
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
-from autoshard.wrap.apply import DTYPES
 from autoshard.wrap.meter import held_bytes
 
 logger = logging.getLogger("autoshard")
@@ -44,27 +44,32 @@ class Measured:
 
 
 def resolve_mixed_precision(
-    requested: str, device: torch.device, model: nn.Module
-) -> tuple[str, str]:
-    """The mixed precision to use and why (every automatic choice carries its reason)."""
+    requested: Precision | None, device: torch.device, model: nn.Module
+) -> tuple[Precision, str]:
+    """The mixed precision to use and why (every automatic choice carries its reason).
+    `requested`: the caller's, None for "auto"."""
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if floating and floating <= {torch.bfloat16, torch.float16}:
-        return "no", f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
-    if requested != "auto":
+        off = f"mixed precision off: parameters are already {', '.join(map(str, floating))}"
+        return Precision.NO, off
+    if requested is not None:
         return requested, f"mixed precision {requested} requested by the caller"
     if device.type == "cuda" and not torch.cuda.is_available():  # a what-if plan for GPUs
-        return "bf16", "mixed precision bf16 (auto): planned for GPUs of capability 8.0 or newer"
+        planned = "mixed precision bf16 (auto): planned for GPUs of capability 8.0 or newer"
+        return Precision.BF16, planned
     if device.type != "cuda":
         if _cpu_has_native_bf16():
-            return "bf16", "mixed precision bf16 (auto): this CPU computes bf16 natively (oneDNN)"
-        return "no", (
+            native = "mixed precision bf16 (auto): this CPU computes bf16 natively (oneDNN)"
+            return Precision.BF16, native
+        return Precision.NO, (
             "mixed precision off (auto): this CPU has no native bf16 (oneDNN reports none: no "
             "AVX512-BF16/AMX), where bf16 autocast runs many times slower than fp32"
         )
     major, minor = torch.cuda.get_device_capability(device)
     if major >= 8:
-        return "bf16", f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
-    return "fp16", (
+        supported = f"mixed precision bf16 (auto): CUDA capability {major}.{minor} supports bf16"
+        return Precision.BF16, supported
+    return Precision.FP16, (
         f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
         f"gradient scaler (prepared.scaler)"
     )
@@ -209,7 +214,7 @@ def plan_inputs(
     blocks: list[nn.Module],
     profile: ActivationProfile | None,
     ranks: Ranks,
-    mixed_precision: str,
+    mixed_precision: Precision,
     reasons: list[str],
 ) -> PlanInputs:
     """The facts a decision is made from, for `ranks` training `work`."""
@@ -227,7 +232,7 @@ def plan_inputs(
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4
     )
-    dtype = DTYPES[mixed_precision]
+    dtype = mixed_precision.dtype
     setting = Setting(
         strategy=strategies_for(ranks.world_size, True)[0],
         checkpointed=0,

@@ -14,7 +14,6 @@ from autoshard.decide.validate import Request
 from autoshard.measure.simulate import Setup, combine, simulate_all
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
-from autoshard.wrap.apply import DTYPES
 
 
 def with_simulation(
@@ -51,7 +50,7 @@ def with_simulation(
     ]
     # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
     here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
-    dtype = DTYPES[inputs.mixed_precision]
+    dtype = inputs.mixed_precision.dtype
     setup = Setup(block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device)
     # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
     # misses: where checkpointed candidates matter, a strategy is simulated with every block

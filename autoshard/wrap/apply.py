@@ -30,6 +30,7 @@ from torch import nn
 
 from autoshard._world import World
 from autoshard.collective import agree_here
+from autoshard.decide.precision import Precision
 from autoshard.strategies.engines import (
     autocast_hooks,
     checkpoint_block,
@@ -43,8 +44,6 @@ from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.optim import parameter_names, rebind
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
-
 
 @dataclass
 class Wrapping:
@@ -53,7 +52,7 @@ class Wrapping:
     module: nn.Module  # the user's module, mutated in place by checkpoint / fully_shard
     block_names: list[str]
     world: World
-    mixed_precision: str
+    mixed_precision: Precision
     names: dict[int, str]  # id(original parameter) -> qualified name, taken before anything
     strategy: Strategy | None = None
     checkpointed: int = 0
@@ -73,7 +72,7 @@ def start(
     module: nn.Module,
     block_names: list[str],
     world: World,
-    mixed_precision: str,
+    mixed_precision: Precision,
     find_unused: bool,
 ) -> Wrapping:
     names = parameter_names(module)
@@ -114,7 +113,7 @@ def _before_collectives(wrapping: Wrapping, strategy: Strategy, checkpointed: in
         _unwrap_ddp(wrapping)
         return
     wrapping.module.to(wrapping.world.device)
-    dtype = DTYPES[wrapping.mixed_precision]
+    dtype = wrapping.mixed_precision.dtype
     if dtype is not None and not wrapping.autocast:
         wrapping.autocast = autocast_hooks(wrapping.module, wrapping.world.device.type, dtype)
 
@@ -126,7 +125,7 @@ def _after_collectives(
         return
     target = recipe(strategy)
     if mesh is not None:
-        dtype = DTYPES[wrapping.mixed_precision]
+        dtype = wrapping.mixed_precision.dtype
         shard_module(wrapping.module, wrapping.block_names, mesh, strategy, dtype)
     elif target.sharded:  # FSDP2 in place: only resharding can change
         set_unit_resharding(wrapping.module, target.reshard_after_forward)
@@ -181,7 +180,7 @@ def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
 
 def grad_scaler(wrapping: Wrapping) -> Any:
     """A fresh gradient scaler for fp16, else None."""
-    if wrapping.mixed_precision != "fp16":
+    if wrapping.mixed_precision != Precision.FP16:
         return None
     device_type = wrapping.world.device.type
     if wrapping.strategy is not None and wrapping.strategy.sharded:

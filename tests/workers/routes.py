@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._world import resolve
 from autoshard.decide.blocks import find_blocks
+from autoshard.decide.precision import Precision
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, start
 
@@ -44,7 +45,7 @@ def _wrapped(strategy: str, before: tuple[str, ...]) -> tuple[Wrapping, torch.op
     if strategy == "hybrid_shard":  # each rank its own node: a (2, 1) mesh
         world = dataclasses.replace(world, local_world_size=1)
     names = [n for n, _ in find_blocks(model)]
-    wrapping = start(model, names, world, "bf16", find_unused=False)
+    wrapping = start(model, names, world, Precision.BF16, find_unused=False)
     for earlier in before:  # as the trial gets there: an attempt ran, then the next rung
         apply(wrapping, optimizer, Strategy(earlier), 0)
     apply(wrapping, optimizer, Strategy(strategy), CHECKPOINTED)
