@@ -7,7 +7,7 @@ checkpointing from the memory every GPU really has free, and proves the choice w
 from autoshard.api import Prepared, plan, prepare
 from autoshard.collective import PeerError, PeerTimeout, set_agreement_timeout
 from autoshard.decide.fit import DoesNotFit
-from autoshard.decide.plan import Attempt, Candidate, Plan
+from autoshard.decide.plan import Attempt, Candidate, Outcome, Plan
 from autoshard.decide.precision import Precision
 from autoshard.io.accelerate import accelerate_kwargs
 from autoshard.io.checkpoint import load, save
@@ -20,6 +20,7 @@ __all__ = [
     "DoesNotFit",
     "PeerError",
     "PeerTimeout",
+    "Outcome",
     "Plan",
     "Precision",
     "Prepared",

@@ -233,7 +233,8 @@ def oom_fallback(device: torch.device, size: dict[str, int]) -> dict[str, Any]:
             {
                 "strategy": a.strategy.value,
                 "checkpointed": a.activation_checkpointing,
-                "outcome": a.outcome,
+                "outcome": a.outcome.value,
+                "description": a.description,
                 "measured_peak_bytes": a.measured_peak_bytes,
             }
             for a in plan.attempts

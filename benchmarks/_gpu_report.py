@@ -158,9 +158,8 @@ def oom_md(result: dict[str, Any]) -> list[str]:
         "|---|---|",
     ]
     for a in result["attempts"]:
-        lines.append(
-            f"| {a['strategy']} AC {a['checkpointed']}/{result['num_blocks']} | {a['outcome']} |"
-        )
+        rung = f"{a['strategy']} AC {a['checkpointed']}/{result['num_blocks']}"
+        lines.append(f"| {rung} | {a['description']} |")
     before, after = result["caller_before"], result["caller_after"]
     lines += ["", f"losses after prepare: {', '.join(f'{x:.4g}' for x in result['losses'])}"]
     if before:
@@ -196,10 +195,10 @@ def summary_lines(sections: dict[str, Any]) -> list[str]:
             met = result.get("summary", {}).get("met")
             lines.append(f"- accuracy: targets {'met' if met else 'NOT met'}")
         elif name == "oom":
-            fell_back = result["attempts"][0]["outcome"].startswith("out of memory")
+            fell_back = result["attempts"][0]["outcome"] == "out_of_memory"
             lines.append(
                 f"- oom: first rung ran out of memory: {fell_back}; trained after: "
-                f"{result['attempts'][-1]['outcome']}; fraction restored: "
+                f"{result['attempts'][-1]['description']}; fraction restored: "
                 f"{result['fraction_restored']}; peak kept: {result['peak_restored']}"
             )
     return lines

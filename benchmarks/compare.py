@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -133,13 +132,10 @@ def budgets_for(
 # One run
 
 
-_FIT = re.compile(r"fit \(([0-9.]+)s\)")
-
-
 def trial_seconds(plan: autoshard.Plan) -> float | None:
     """Seconds of the trial step that fitted, from the plan's attempts (the library times only
     the attempt that fitted; attempts that ran out of memory count as prepare overhead)."""
-    found = [float(m.group(1)) for a in plan.attempts if (m := _FIT.search(a.outcome))]
+    found = [a.seconds for a in plan.attempts if a.seconds is not None]
     return sum(found) if found else None
 
 

@@ -4,6 +4,7 @@ what-if `autoshard.plan(...)`. Decision inputs are built by hand: no trace, no p
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ from autoshard.decide.candidates import candidate, decide, strategies_for
 from autoshard.decide.cost import step_seconds
 from autoshard.decide.estimate import ModelStats, Setting
 from autoshard.decide.hardware import Hardware, hardware_for
-from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
+from autoshard.decide.plan import Attempt, Candidate, Outcome, Plan, PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 
@@ -523,13 +524,62 @@ def test_str_plan_shows_the_measured_peak_and_the_trials() -> None:
     plan = dataclasses.replace(
         plan,
         measured_peak_bytes=3 * GiB,
-        attempts=(Attempt(Strategy.LOCAL, 0, "ok in 0.10s", 3 * GiB),),
+        attempts=(
+            Attempt(Strategy.DDP, 0, Outcome.OUT_OF_MEMORY, 5 * GiB, None, (0, 1)),
+            Attempt(Strategy.FULL_SHARD, 2, Outcome.OUT_OF_MEMORY, None, None, (1,)),
+            Attempt(Strategy.LOCAL, 0, Outcome.FIT, 3 * GiB, 0.104),
+        ),
     )
     text = str(plan)
     lines = text.splitlines()
     assert "measured 3.00 GiB" in lines[1]
     trials = [line for line in lines if line.startswith("trial: ")]
-    assert trials == ["trial: LOCAL AC 0: ok in 0.10s, measured peak 3.00 GiB"]
+    assert trials == [
+        "trial: DDP AC 0: out of memory on rank(s) [0, 1], measured peak 5.00 GiB",
+        "trial: FULL_SHARD AC 2: out of memory on rank(s) [1]",
+        "trial: LOCAL AC 0: fit (0.10s), measured peak 3.00 GiB",
+    ]
+
+
+def test_to_dict_carries_the_attempts_typed_fields_as_json_types() -> None:
+    plan = decide(make_inputs(1, AMPLE), (Strategy.LOCAL,), None, None)
+    attempts = (
+        Attempt(Strategy.DDP, 1, Outcome.OUT_OF_MEMORY, 5 * GiB, None, (1,)),
+        Attempt(Strategy.LOCAL, 0, Outcome.FIT, 3 * GiB, 0.25),
+    )
+    plan = dataclasses.replace(plan, attempts=attempts)
+    decoded = json.loads(json.dumps(plan.to_dict()))["attempts"]
+    assert decoded == [
+        {
+            "strategy": "ddp",
+            "activation_checkpointing": 1,
+            "outcome": "out_of_memory",
+            "measured_peak_bytes": 5 * GiB,
+            "seconds": None,
+            "out_of_memory_ranks": [1],
+        },
+        {
+            "strategy": "local",
+            "activation_checkpointing": 0,
+            "outcome": "fit",
+            "measured_peak_bytes": 3 * GiB,
+            "seconds": 0.25,
+            "out_of_memory_ranks": [],
+        },
+    ]
+    rebuilt = tuple(
+        Attempt(
+            Strategy(a["strategy"]),
+            a["activation_checkpointing"],
+            Outcome(a["outcome"]),
+            a["measured_peak_bytes"],
+            a["seconds"],
+            tuple(a["out_of_memory_ranks"]),
+        )
+        for a in decoded
+    )
+    assert rebuilt == attempts
+    assert attempts[1].outcome == "fit" and attempts[0].outcome is Outcome.OUT_OF_MEMORY
 
 
 # --- autoshard.plan: what-if, one process, no process group --------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,14 +66,46 @@ class PlanInputs:
         return max(1, self.world_size // max(self.num_nodes, 1))
 
 
+class Outcome(str, enum.Enum):
+    """How a trial step ended; str-valued (`attempt.outcome == "fit"`)."""
+
+    FIT = "fit"
+    OUT_OF_MEMORY = "out_of_memory"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Attempt:
-    """One trial step: the candidate tried, how it ended, and its measured per-rank peak."""
+    """One trial step: the candidate tried, how it ended, and its measured per-rank peak.
+
+    Attributes:
+        strategy: the wrapping tried.
+        activation_checkpointing: number of blocks checkpointed (the first ones).
+        outcome: `Outcome.FIT`, or `Outcome.OUT_OF_MEMORY` on some rank (then every rank moved
+            to a more frugal candidate).
+        measured_peak_bytes: the largest per-rank peak measured, or None where none was.
+        seconds: the step's wall time when it fit, else None.
+        out_of_memory_ranks: the ranks that ran out of memory (empty when it fit).
+    """
 
     strategy: Strategy
     activation_checkpointing: int
-    outcome: str
+    outcome: Outcome
     measured_peak_bytes: int | None
+    seconds: float | None = None
+    out_of_memory_ranks: tuple[int, ...] = ()
+
+    @property
+    def description(self) -> str:
+        """How it ended, in words: "fit (0.12s)" or "out of memory on rank(s) [1]"."""
+        if self.outcome == Outcome.FIT:
+            return "fit" if self.seconds is None else f"fit ({self.seconds:.2f}s)"
+        return f"out of memory on rank(s) {list(self.out_of_memory_ranks)}"
+
+    def __str__(self) -> str:
+        return f"{self.strategy} AC {self.activation_checkpointing}: {self.description}"
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,7 @@ def render(plan: Plan) -> str:
     for attempt in plan.attempts:
         peak = attempt.measured_peak_bytes
         lines.append(
-            f"trial: {attempt.strategy} AC {attempt.activation_checkpointing}: {attempt.outcome}"
-            + (f", measured peak {human(peak)}" if peak is not None else "")
+            f"trial: {attempt}" + (f", measured peak {human(peak)}" if peak is not None else "")
         )
     for reason in plan.reasons:
         lines += textwrap.wrap(f"- {reason}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
@@ -147,8 +146,10 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             {
                 "strategy": a.strategy.value,
                 "activation_checkpointing": a.activation_checkpointing,
-                "outcome": a.outcome,
+                "outcome": a.outcome.value,
                 "measured_peak_bytes": a.measured_peak_bytes,
+                "seconds": a.seconds,
+                "out_of_memory_ranks": list(a.out_of_memory_ranks),
             }
             for a in plan.attempts
         ],

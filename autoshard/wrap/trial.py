@@ -32,6 +32,7 @@ from autoshard.collective import (
 )
 from autoshard.decide.job import Decision, Work
 from autoshard.decide.plan import Attempt, Candidate
+from autoshard.decide.plan import Outcome as Ended  # trial.Outcome: what the ranks agreed
 from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
@@ -304,14 +305,14 @@ def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
             _raise_error(outcome, wrapping)
         label = (current.strategy, current.activation_checkpointing)
         if not failed:
-            attempts.append(Attempt(*label, f"fit ({outcome.seconds:.2f}s)", outcome.peak))
+            attempts.append(Attempt(*label, Ended.FIT, outcome.peak, outcome.seconds))
             _note_non_finite(wrapping, outcome.losses)
             _drop_trial_hooks(wrapping)
             return TrialResult(current, tuple(attempts), outcome.peak, tuple(wrapping.notes))
         if problem is not None:  # the same on every rank: all raise it
             raise RuntimeError(problem)
-        ranks = [r for r, c in enumerate(outcome.codes) if c == OOM]
-        attempts.append(Attempt(*label, f"out of memory on rank(s) {ranks}", outcome.peak))
+        ranks = tuple(r for r, c in enumerate(outcome.codes) if c == OOM)
+        attempts.append(Attempt(*label, Ended.OUT_OF_MEMORY, outcome.peak, None, ranks))
         tried.add((current.strategy.value, current.activation_checkpointing))
         following = None
         if len(attempts) < MAX_ATTEMPTS:
@@ -361,9 +362,7 @@ def _note_non_finite(wrapping: Wrapping, losses: list[float]) -> None:
 def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:
     from autoshard.decide.fit import DoesNotFit
 
-    tried = "; ".join(
-        f"{a.strategy} AC {a.activation_checkpointing}: {a.outcome}" for a in attempts
-    )
+    tried = "; ".join(map(str, attempts))
     activations = last.footprint.activations / max(last.estimated_peak_bytes, 1)
     return DoesNotFit(
         f"the trial step ran out of memory on every rung it could try ({tried}). The last, "

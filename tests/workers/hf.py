@@ -91,7 +91,7 @@ def _prepared(name: str, strategy: str) -> dict[str, Any]:
         "strategy": plan.strategy.value,
         "num_blocks": plan.num_blocks,
         "reasons": list(plan.reasons),
-        "attempts": [a.outcome for a in plan.attempts],
+        "attempts": [a.outcome.value for a in plan.attempts],
         "trial_losses_are_output_loss": seen,
         "is_ddp": isinstance(wrapped, nn.parallel.DistributedDataParallel),
         "is_fsdp": is_fsdp(wrapped),
@@ -138,7 +138,7 @@ def _zoo(name: str, strategy: str, **options: Any) -> dict[str, Any]:
         "activation_checkpointing": plan.activation_checkpointing,
         "num_blocks": plan.num_blocks,
         "reasons": list(plan.reasons),
-        "attempts": [a.outcome for a in plan.attempts],
+        "attempts": [a.outcome.value for a in plan.attempts],
         "estimated": plan.estimated_peak_bytes,
         "measured": plan.measured_peak_bytes,
         "candidates": [
@@ -178,7 +178,7 @@ def _accumulating(strategy: str) -> dict[str, Any]:
     handle.remove()
     return {
         "real_forwards": sum(forwards),
-        "attempts": [a.outcome for a in plan.attempts],
+        "attempts": [a.outcome.value for a in plan.attempts],
         "estimated": plan.estimated_peak_bytes,
         "measured": plan.measured_peak_bytes,
         "reasons": list(plan.reasons),

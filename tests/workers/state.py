@@ -169,7 +169,7 @@ def _trial(strategy: str, trial_step: bool) -> dict[str, Any]:
     params_after = {n: full(p).detach() for n, p in model.named_parameters()}
     buffers_after = dict(model.named_buffers())
     return {
-        "attempts": [a.outcome for a in plan.attempts],
+        "attempts": [a.outcome.value for a in plan.attempts],
         "same_param_names": list(params) == list(params_after),
         "params_changed": [n for n in params if not torch.equal(params[n], params_after[n])],
         "buffer_names": list(buffers),

@@ -124,7 +124,8 @@ def plan_info(plan: autoshard.Plan) -> dict[str, Any]:
             {
                 "strategy": a.strategy.value,
                 "activation_checkpointing": a.activation_checkpointing,
-                "outcome": a.outcome,
+                "outcome": a.outcome.value,
+                "out_of_memory_ranks": list(a.out_of_memory_ranks),
                 "measured_peak_bytes": a.measured_peak_bytes,
             }
             for a in plan.attempts
