@@ -226,7 +226,7 @@ def test_local_checkpoints_exactly_as_many_blocks_as_the_memory_needs() -> None:
     for k in range(BLOCKS + 1):
         backward = params + largest_unit_grads + adam + batch + activations(k) + backward_temp
         tensors = max(backward, step) * MiB
-        assert peaks[k] == tensors + int(0.05 * tensors), k
+        assert peaks[k] == tensors, k  # no overheads on the CPU
     # backward = 1921 + activations(k): 4033, 3793, 3553, 3313, 3073 for k = 0..4, then 2833 at
     # k = 5, below the step's 2880: from there on the optimizer step is the peak.
     assert 1921 + activations(4) > step > 1921 + activations(5)
