@@ -243,12 +243,7 @@ def from_simulation(
         phase.comm_buffers,
         phase.temporaries,
     )
-    overheads = 0
-    if s.device_type == "cuda":
-        overheads += int(ALLOCATOR_MARGIN * sum(terms))
-        overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
-        overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
-    return Footprint(*terms, overheads)
+    return Footprint(*terms, overhead_bytes(sum(terms), s))
 
 
 def _sum(phase: Phase) -> int:
@@ -297,12 +292,19 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         backward = (0, 0, 0, *backward[3:])
         step = (0, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
-    overheads = 0
-    if s.device_type == "cuda":
-        overheads += int(ALLOCATOR_MARGIN * sum(terms))
-        overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
-        overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
-    return Footprint(*terms, overheads)
+    return Footprint(*terms, overhead_bytes(sum(terms), s))
+
+
+def overhead_bytes(tensor_bytes: int, s: Setting) -> int:
+    """What no tensor shows, beside `tensor_bytes` of tensors at the peak (`Footprint.overheads`),
+    whichever way the peak was found: on CUDA the caching allocator's rounding (ALLOCATOR_MARGIN
+    of the tensors), a context not created yet and NCCL's buffers; on the CPU, none."""
+    if s.device_type != "cuda":
+        return 0
+    overheads = int(ALLOCATOR_MARGIN * tensor_bytes)
+    overheads += CUDA_CONTEXT_BYTES if s.cuda_context_pending else 0
+    overheads += NCCL_BUFFER_BYTES if s.world_size > 1 else 0
+    return overheads
 
 
 def _grads_in_backward(stats: ModelStats, s: Setting, grads: int) -> int:
@@ -363,10 +365,6 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
     return gathered * element + reduce_scatter
 
 
-def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else param_element_bytes
-
-
 def host_bytes(stats: ModelStats, s: Setting) -> int:
     """Host memory one rank needs under CPU offload: its shard of parameters, gradients and
     optimizer state, and the optimizer step's temporaries (the step runs on the CPU)."""
@@ -376,3 +374,7 @@ def host_bytes(stats: ModelStats, s: Setting) -> int:
     temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0
     state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes + temporaries
     return -(-state // n)
+
+
+def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else param_element_bytes
