@@ -15,7 +15,6 @@ from autoshard.decide.estimate import (
     Footprint,
     ModelStats,
     Setting,
-    compute_element_bytes,
     estimate,
     model_stats,
 )
@@ -513,12 +512,6 @@ def test_activations_fall_as_blocks_are_checkpointed_down_to_the_recompute_floor
     # These are the activations at the peak for every k: FULL_SHARD at N = 2 peaks in backward,
     # whose fixed terms (params 17_328 + optim 34_694 + comm 25_840 + temp 4_096 = 81_958) plus
     # the floor's 8_704 bytes exceed the step (17_328 + 2 * 17_328 grads/foreach + 34_694).
-
-
-def test_compute_element_bytes() -> None:
-    assert compute_element_bytes(torch.bfloat16, 4) == 2
-    assert compute_element_bytes(torch.float16, 4) == 2
-    assert compute_element_bytes(None, 4) == 4  # no mixed precision: the params' own size
 
 
 # --- the trace -----------------------------------------------------------------------------------

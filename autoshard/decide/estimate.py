@@ -374,7 +374,3 @@ def host_bytes(stats: ModelStats, s: Setting) -> int:
     temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0
     state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes + temporaries
     return -(-state // n)
-
-
-def compute_element_bytes(dtype: torch.dtype | None, param_element_bytes: int) -> int:
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else param_element_bytes
