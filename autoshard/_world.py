@@ -33,6 +33,8 @@ class World:
         device: where training runs: `cuda:<local_rank>` on GPU, else `cpu`.
         distributed: a process group exists (even of one rank).
         reasons: what was detected or done (a process group initialised, and how).
+        num_nodes: the nodes the ranks span (`spanning`): what the plan's candidates assume and
+            what HYBRID_SHARD's mesh replicates across.
     """
 
     rank: int
@@ -43,6 +45,7 @@ class World:
     device: torch.device
     distributed: bool
     reasons: tuple[str, ...] = ()
+    num_nodes: int = 1
 
 
 def launched_by_torchrun() -> bool:
@@ -94,7 +97,15 @@ def resolve(*, init: bool) -> World:
         device=device,
         distributed=True,
         reasons=tuple(reasons),
+        num_nodes=max(1, world_size // max(local_world_size, 1)),  # until `spanning` sees hosts
     )
+
+
+def spanning(world: World, hosts: int) -> World:
+    """`world` with the nodes its ranks span: the distinct hosts they run on, or as the launcher
+    laid them out (WORLD_SIZE / LOCAL_WORLD_SIZE), whichever is more. The one count the plan and
+    HYBRID_SHARD's mesh both use."""
+    return replace(world, num_nodes=max(hosts, world.num_nodes))
 
 
 def _cuda() -> bool:

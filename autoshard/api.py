@@ -129,7 +129,7 @@ def prepare(
         wrapping = start(
             model,
             list(decision.block_names),
-            world,
+            replace(world, num_nodes=decision.num_nodes),
             plan_.mixed_precision,
             decision.find_unused,
         )

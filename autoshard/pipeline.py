@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoshard._batch import batch_for_meta
-from autoshard._world import Memory, RankReport, World, local_memory
+from autoshard._world import Memory, RankReport, World, local_memory, spanning
 from autoshard.collective import agree
 from autoshard.decide.blocks import blocks_and_notes
 from autoshard.decide.candidates import all_candidates, decide, strategies_for
@@ -176,7 +176,7 @@ def _decide(
     work, request = gathered.work, gathered.work.request
     blocks = [m for _, m in gathered.blocks]
     usable, usable_reason = usable_memory(reports, request.memory_limit)
-    num_nodes = target.num_nodes or _nodes(reports, target.world)
+    num_nodes = target.num_nodes or spanning(target.world, len({r.host for r in reports})).num_nodes
     inputs = plan_inputs(
         work,
         blocks,
@@ -206,7 +206,7 @@ def _decide(
     )
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    return Decision(plan, first, tuple(rungs), tuple(names), bool(unused))
+    return Decision(plan, first, tuple(rungs), tuple(names), bool(unused), num_nodes)
 
 
 def progress(target: Target, message: str) -> None:
@@ -214,9 +214,3 @@ def progress(target: Target, message: str) -> None:
     so shown when the script enables it (`logging.basicConfig(level=logging.INFO)`)."""
     if not target.in_job or target.world.rank == 0:
         logger.info(message)
-
-
-def _nodes(reports: list[RankReport], world: World) -> int:
-    """Nodes the job spans: distinct hosts, or as the launcher laid the ranks out
-    (WORLD_SIZE / LOCAL_WORLD_SIZE), whichever is more."""
-    return max(len({r.host for r in reports}), world.world_size // max(world.local_world_size, 1))

@@ -35,6 +35,7 @@ class Decision:
     rungs: tuple[Candidate, ...]  # every rung the trial may fall back to
     block_names: tuple[str, ...]
     find_unused: bool  # some trainable parameters got no gradient on some rank's trace
+    num_nodes: int  # the nodes the plan counted, which HYBRID_SHARD's mesh replicates across
 
 
 @dataclass(frozen=True)

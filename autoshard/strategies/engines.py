@@ -189,7 +189,7 @@ def make_mesh(r: Recipe, world: World) -> Any:
     if r.hybrid:
         return init_device_mesh(
             world.device.type,
-            (world.world_size // world.local_world_size, world.local_world_size),
+            (world.num_nodes, world.world_size // world.num_nodes),  # as the plan counted them
             mesh_dim_names=("replicate", "shard"),
         )
     return init_device_mesh(world.device.type, (world.world_size,))
