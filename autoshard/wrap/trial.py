@@ -31,8 +31,7 @@ from autoshard.collective import (
     settle,
 )
 from autoshard.decide.job import Decision, Work
-from autoshard.decide.plan import Attempt, Candidate
-from autoshard.decide.plan import Outcome as Ended  # trial.Outcome: what the ranks agreed
+from autoshard.decide.plan import Attempt, Candidate, Outcome
 from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
@@ -86,7 +85,7 @@ def run_step(
 
 
 @dataclass
-class Outcome:
+class Agreed:
     """How one attempt ended, as every rank agreed on it."""
 
     codes: list[int]  # every rank's code: FINE, OOM or ERROR
@@ -145,7 +144,7 @@ def _peak_meter(
         box[0] = meter.peak
 
 
-def attempt(wrapping: Wrapping, work: Work, usable: int) -> Outcome:
+def attempt(wrapping: Wrapping, work: Work, usable: int) -> Agreed:
     """The trial under sync points (two steps for a fresh optimizer); every rank leaves with the
     same codes."""
     optimizer, limit = work.optimizer, work.request.memory_limit
@@ -186,7 +185,7 @@ def attempt(wrapping: Wrapping, work: Work, usable: int) -> Outcome:
     # its activations and (under DDP) the reducer, which must be freed before the next rung.
     kept = error if code == ERROR else None
     del error
-    return Outcome([c for c, _ in rows], peak, kept, seconds, losses)
+    return Agreed([c for c, _ in rows], peak, kept, seconds, losses)
 
 
 def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool) -> str | None:
@@ -305,14 +304,14 @@ def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
             _raise_error(outcome, wrapping)
         label = (current.strategy, current.activation_checkpointing)
         if not failed:
-            attempts.append(Attempt(*label, Ended.FIT, outcome.peak, outcome.seconds))
+            attempts.append(Attempt(*label, Outcome.FIT, outcome.peak, outcome.seconds))
             _note_non_finite(wrapping, outcome.losses)
             _drop_trial_hooks(wrapping)
             return TrialResult(current, tuple(attempts), outcome.peak, tuple(wrapping.notes))
         if problem is not None:  # the same on every rank: all raise it
             raise RuntimeError(problem)
         ranks = tuple(r for r, c in enumerate(outcome.codes) if c == OOM)
-        attempts.append(Attempt(*label, Ended.OUT_OF_MEMORY, outcome.peak, None, ranks))
+        attempts.append(Attempt(*label, Outcome.OUT_OF_MEMORY, outcome.peak, None, ranks))
         tried.add((current.strategy.value, current.activation_checkpointing))
         following = None
         if len(attempts) < MAX_ATTEMPTS:
@@ -335,7 +334,7 @@ def _drop_trial_hooks(wrapping: Wrapping) -> None:
     wrapping.scaler = grad_scaler(wrapping)
 
 
-def _raise_error(outcome: Outcome, wrapping: Wrapping) -> None:
+def _raise_error(outcome: Agreed, wrapping: Wrapping) -> None:
     """A non-OOM failure: re-raised, unchanged, where it happened; elsewhere the same type (or a
     PeerError) naming the rank that failed and its message (`collective.settle`)."""
     settle(wrapping.world, "prepare()'s trial step", outcome.error)
