@@ -47,6 +47,12 @@ class World:
     reasons: tuple[str, ...] = ()
     num_nodes: int = 1
 
+    @property
+    def has_peers(self) -> bool:
+        """Other processes to agree with: a process group that is not the fake one, with which
+        the measurements stand one process in for a rank of a larger job (it has no peers)."""
+        return self.distributed and self.backend != "fake"
+
 
 def launched_by_torchrun() -> bool:
     return all(var in os.environ for var in _LAUNCHER_VARS)

@@ -135,7 +135,7 @@ def _next_round() -> tuple[Any, int]:
 def exchange(world: World, what: str, payload: Any) -> list[Any]:
     """Every rank's `payload`, in rank order; raises `PeerTimeout` naming the ranks that did not
     post theirs within the agreement timeout. `payload` must pickle."""
-    if not world.distributed:
+    if not world.has_peers:
         return [payload]
     return [pickle.loads(b) for b in _exchange_bytes(world, what, pickle.dumps(payload))]
 
@@ -214,19 +214,19 @@ def agree_here(world: World, what: str, compute: Callable[[], T]) -> T:
     """`agree`, returning this rank's own value; only whether it succeeded travels (the value
     may be large: a state dict)."""
     values = _agree(world, what, compute, share_values=False)
-    return values[world.rank if world.distributed else 0]
+    return values[world.rank if world.has_peers else 0]
 
 
 def _agree(world: World, what: str, compute: Callable[[], T], share_values: bool) -> list[T]:
     own: BaseException | None = None
     try:
         value = compute()
-        entry = pickle.dumps(("ok", value if share_values else None)) if world.distributed else b""
+        entry = pickle.dumps(("ok", value if share_values else None)) if world.has_peers else b""
     except _PASSING:
         raise
     except BaseException as error:
         own, entry = error, pickle.dumps(_describe(error))
-    if not world.distributed:
+    if not world.has_peers:
         if own is not None:
             raise own
         return [value]
