@@ -265,4 +265,10 @@ def test_trial_step_accumulates_gradients_as_planned(hf: Launch, strategy: str) 
         assert r["real_forwards"] == 2 * 2, "two trial steps (fresh AdamW) of 2 micro-batches"
         assert r["attempts"] and r["attempts"][-1] == "fit", r["attempts"]
         assert any(x.startswith("gradient accumulation over 2") for x in r["reasons"])
-        assert r["measured"] <= r["estimated"], (r["measured"], r["estimated"])
+        # Within what the plan fitted to the memory: the estimate, plus under FSDP2 the one
+        # unit's sharded gradient kept free for a reduce-scatter output allocated before its
+        # input is freed, which on gloo happens in some steps and not in others
+        # (`decide.cost.reserve_bytes`; 0 under DDP). FULL_SHARD measured up to 1.5 KiB above
+        # the estimate alone in 2 of the 4 runs seen.
+        bound = r["estimated"] + r["reserve"]
+        assert r["measured"] <= bound, (r["measured"], r["estimated"], r["reserve"])

@@ -180,6 +180,7 @@ def _accumulating(strategy: str) -> dict[str, Any]:
         "real_forwards": sum(forwards),
         "attempts": [a.outcome.value for a in plan.attempts],
         "estimated": plan.estimated_peak_bytes,
+        "reserve": plan.chosen.reserve_bytes,
         "measured": plan.measured_peak_bytes,
         "reasons": list(plan.reasons),
     }
