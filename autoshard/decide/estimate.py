@@ -198,7 +198,7 @@ def from_simulation(
     context, NCCL's buffers and the caching allocator's rounding (ALLOCATOR_MARGIN of tensors).
     """
     degree = s.shard_degree or s.world_size
-    ratio = shard_ratio(stats, sim.degree, degree) if s.strategy.sharded else 1.0
+    ratio = shard_ratio(stats, sim.degree, degree) if recipe(s.strategy).sharded else 1.0
     backward, step = sim.backward.scaled(ratio), sim.step.scaled(ratio)
     every = sim.checkpointed_backward.scaled(ratio) if sim.checkpointed_backward else None
     if (
@@ -216,7 +216,7 @@ def from_simulation(
         # copies). Scale what checkpointing frees by how much the simulation saved against it.
         traced = profile.activation_bytes(0)
         simulated = backward.activations + backward.temporaries
-        if s.strategy.sharded and 0 < simulated < traced:
+        if recipe(s.strategy).sharded and 0 < simulated < traced:
             freed = freed * simulated // traced
         from_activations = min(freed, backward.activations)
         backward = replace(
@@ -258,7 +258,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     gathered parameters; and at the optimizer step, with activations and gathered parameters
     freed but every gradient and the optimizer's temporaries alive. The larger one is the peak.
     """
-    n = (s.shard_degree or s.world_size) if s.strategy.sharded else 1
+    n = (s.shard_degree or s.world_size) if recipe(s.strategy).sharded else 1
     # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
     # stage 3 the parameters too. FSDP2 keeps the stored parameter sharded under both; what
     # differs is how much is unsharded at once (comm_buffers).
@@ -354,12 +354,12 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
     Reduce-scatter needs the unsharded gradient of one unit in flight, and its output overlaps
     the next one's: the two largest blocks' worth.
     """
-    if not s.strategy.sharded:
+    if not recipe(s.strategy).sharded:
         return 0
     element = s.compute_bytes
     two_largest = sum(sorted(stats.block_numel, reverse=True)[:2])
     reduce_scatter = two_largest * s.param_element_bytes
-    if not s.strategy.reshards:
+    if not recipe(s.strategy).reshard_after_forward:
         return stats.floating_numel * element + reduce_scatter
     gathered = min(stats.root_numel + two_largest, stats.floating_numel)
     return gathered * element + reduce_scatter

@@ -70,7 +70,7 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"mixed_precision": plan.mixed_precision.value}
     if not _cuda():
         kwargs["cpu"] = True
-    if plan.strategy.sharded:
+    if recipe(plan.strategy).sharded:
         if recipe(plan.strategy).accelerate_reshard_after_forward is None:
             raise ValueError(
                 f"the plan chose {plan.strategy}, which accelerate_kwargs does not express in "
@@ -96,7 +96,7 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
             )
     elif plan.strategy == Strategy.DDP:
         kwargs["kwargs_handlers"] = [ddp_kwargs(plan)]
-    if plan.activation_checkpointing and not plan.strategy.sharded:
+    if plan.activation_checkpointing and not recipe(plan.strategy).sharded:
         warnings.warn(
             f"the plan checkpoints {plan.activation_checkpointing} of {plan.num_blocks} blocks "
             f"under {plan.strategy}, but accelerate checkpoints activations only with "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> 
     try:
         fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
         with wider_fake_kernels(), mode:  # as the simulation runs it (fp32 torch._grouped_mm)
-            if not strategy.sharded and setup.dtype is not None:
+            if not recipe(strategy).sharded and setup.dtype is not None:
                 autocast_hooks(fake, setup.device.type, setup.dtype)
             compute_loss(call_model(fake, batch), batch, setup.loss_fn).backward()
             optimizer.step()

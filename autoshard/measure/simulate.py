@@ -51,6 +51,7 @@ from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
+from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
@@ -91,7 +92,7 @@ def simulate(
 ) -> Simulated:
     """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow."""
     depths = shallow_depths(model, setup.block_names)
-    degree = mesh.size() if strategy.sharded else 1
+    degree = mesh.size() if recipe(strategy).sharded else 1
     full = len(setup.block_names)
     if depths is not None:
         d1, d2, d3 = depths
@@ -211,7 +212,7 @@ def wrapped_copy(
 
             for name in names:
                 checkpoint_block(fake.get_submodule(name))
-        if strategy.sharded:
+        if recipe(strategy).sharded:
             shard_module(fake, names, mesh, strategy, setup.dtype)
         return fake, fake_optimizer(setup.optimizer, model, fake), batch
 
@@ -267,7 +268,12 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        _warm_up(model, setup, [s for s, all_blocks in mine if s.sharded and not all_blocks], mesh)
+        _warm_up(
+            model,
+            setup,
+            [s for s, all_blocks in mine if recipe(s).sharded and not all_blocks],
+            mesh,
+        )
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""
@@ -343,7 +349,7 @@ def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
 
 def _as_rank0(simulated: Simulated, stats: ModelStats, strategy: Strategy, rank: int) -> Simulated:
     """A simulation run as `rank`, with its sharded terms as rank 0's (larger) shard has them."""
-    if not strategy.sharded or rank == 0:
+    if not recipe(strategy).sharded or rank == 0:
         return simulated
     own = shard_bytes(stats, simulated.degree, rank)
     if own == 0:

@@ -46,7 +46,7 @@ def with_simulation(
         s
         for s in wanted[:-1]
         if request.strategy is None
-        and state // (inputs.world_size if s.sharded else 1) > inputs.usable_bytes
+        and state // (inputs.world_size if recipe(s).sharded else 1) > inputs.usable_bytes
     ]
     # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
     here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")

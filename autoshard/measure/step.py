@@ -18,6 +18,7 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.estimate import Phase
 from autoshard.measure.workspace import Workspace
+from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def tracked_step(
 
     from autoshard.strategies.engines import autocast_hooks
 
-    if not strategy.sharded and setup.dtype is not None:
+    if not recipe(strategy).sharded and setup.dtype is not None:
         autocast_hooks(model, setup.device.type, setup.dtype)
     in_place = strategy == Strategy.DDP  # DDP's buckets: every gradient lives from construction
     # the exact classes: a subclass may override step()
@@ -62,7 +63,7 @@ def tracked_step(
                 param.grad = torch.zeros_like(param)
     inputs = tensors_in(batch)
     tracker: Any
-    if strategy.sharded:
+    if recipe(strategy).sharded:
         tracker = frozen_safe(FSDPMemTracker(model, optimizer))
         tracker.track_inputs(tuple(inputs))
         tracker.track_external(optimizer)

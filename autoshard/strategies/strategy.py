@@ -32,19 +32,5 @@ class Strategy(str, enum.Enum):
     HYBRID_SHARD = "hybrid_shard"
     CPU_OFFLOAD = "cpu_offload"
 
-    @property
-    def sharded(self) -> bool:
-        """Wrapped with FSDP2 `fully_shard` (read from its recipe)."""
-        from autoshard.strategies.recipes import recipe
-
-        return recipe(self).sharded
-
-    @property
-    def reshards(self) -> bool:
-        """Parameters are resharded after each block's forward, ZeRO-3 (read from its recipe)."""
-        from autoshard.strategies.recipes import recipe
-
-        return recipe(self).reshard_after_forward
-
     def __str__(self) -> str:
         return self.name

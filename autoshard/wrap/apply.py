@@ -183,7 +183,7 @@ def grad_scaler(wrapping: Wrapping) -> Any:
     if wrapping.mixed_precision != Precision.FP16:
         return None
     device_type = wrapping.world.device.type
-    if wrapping.strategy is not None and wrapping.strategy.sharded:
+    if wrapping.strategy is not None and recipe(wrapping.strategy).sharded:
         # Each rank sees only its gradient shard: the scaler must agree on inf/NaN across ranks.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -193,7 +193,7 @@ def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool
     keep the step's tensors alive). Returns why training cannot go on in place, if it cannot."""
     optimizer.zero_grad(set_to_none=True)
     problem = None
-    if failed and wrapping.strategy is not None and wrapping.strategy.sharded:
+    if failed and wrapping.strategy is not None and recipe(wrapping.strategy).sharded:
         reset = getattr(wrapping.module, "reset_iter_state", None)
         if reset is not None:
             reset()
