@@ -33,6 +33,22 @@ one): a run with leaked bytes is an upper bound and worth measuring again.
 A free of a block allocated before the profile started (a previous run's leftovers collected
 late) is not counted: the running total is the bytes allocated inside the profile and still live.
 Such frees are reported as `foreign_frees`.
+
+Two bounds, then, on when a block whose free went unreported was freed, both reported:
+- at the latest (`upper_peak`): at the reuse of its address, or at the end of the collective it
+  was allocated in;
+- at the earliest (`peak`, the figure compared): after its last use, where the block was used at
+  all. The profile records each operator's input tensors (`record_shapes=True`) with the identity
+  of the allocation behind them, so the end of the last operator that took the block as an input
+  is known; a block whose address was later reused was freed somewhere between that moment and
+  the reuse. The race that loses the free is of microseconds (gloo's worker thread drops the
+  collective's work, and with it the last reference, just after the calling thread's `wait`),
+  while the reuse of an address can come a whole step later or never. A block never freed nor
+  reused is counted as `leaked` (the row is measured again): at the latest it is live to the
+  end, at the earliest it was freed after its last use. On whisper under FULL_SHARD, one rank's
+  all-gather output for a decoder layer (FSDP2's, 0.19 MiB), last used by its copy-out, was never
+  reported freed: the upper bound held it to the end of the profile, 5% above the other rank's
+  peak in that run and not in the next.
 """
 
 from __future__ import annotations
@@ -55,12 +71,15 @@ _COALESCE_OP = "aten::flatten_dense_tensors"
 @dataclass(frozen=True)
 class Allocation:
     """One allocator event: `nbytes` > 0 allocates at `ptr`, < 0 frees it. `freed_by` is when an
-    unreported free of this block happened at the latest (None: no collective holds it)."""
+    unreported free of this block happened at the latest (None: no collective holds it);
+    `last_use`, the end of the last operator that took the block as an input (None: none did)."""
 
     ts: int
     ptr: int
     nbytes: int
     freed_by: int | None = None
+    last_use: int | None = None
+    where: str = ""  # the operators it was allocated in, innermost first
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,9 @@ class LiveBytes:
     """The running total of allocator bytes, counted from the start of the profile.
 
     Attributes:
-        peak: the largest total inside the window (or at its start), missed frees corrected.
+        peak: the largest total inside the window (or at its start), missed frees put at the
+            earliest moment they can have happened.
+        upper_peak: the same with missed frees at the latest moment.
         raw_peak: the same without the correction (only the frees the profiler reported).
         at_start: the total when the window opened.
         peak_ns: when the peak was reached (the profiler's clock, ns).
@@ -81,6 +102,7 @@ class LiveBytes:
     """
 
     peak: int
+    upper_peak: int
     raw_peak: int
     at_start: int
     peak_ns: int
@@ -111,22 +133,27 @@ class Corrected:
 
 
 def corrected_deltas(
-    allocations: list[Allocation], known: frozenset[int] = frozenset()
+    allocations: list[Allocation], known: frozenset[int] = frozenset(), earliest: bool = False
 ) -> Corrected:
     """The running total's deltas with the unreported frees inserted and the frees of blocks from
     before the profile left out; blocks still live at the end are `retained` when at a `known`
-    address, else leaked. `allocations` must be in time order."""
+    address, else leaked. An unreported free is put at the latest moment it can have happened, or
+    with `earliest` at the end of the block's last use where it had one (see the module's
+    docstring). `allocations` must be in time order."""
     deltas: list[tuple[int, int]] = []
     live: dict[int, Allocation] = {}
     missed, foreign = [0, 0], [0, 0]
+
+    def missed_free(block: Allocation, latest: int) -> None:
+        deltas.append((_earliest(block, latest) if earliest else latest, -block.nbytes))
+        missed[0] += 1
+        missed[1] += block.nbytes
+
     for a in allocations:
         if a.nbytes > 0:
             earlier = live.pop(a.ptr, None)
             if earlier is not None:  # the address was free again: its free went unreported
-                when = a.ts if earlier.freed_by is None else min(a.ts, earlier.freed_by)
-                deltas.append((when, -earlier.nbytes))
-                missed[0] += 1
-                missed[1] += earlier.nbytes
+                missed_free(earlier, min(a.ts, earlier.freed_by or a.ts))
             live[a.ptr] = a
         elif live.pop(a.ptr, None) is None:  # allocated before the profile
             foreign[0] += 1
@@ -136,13 +163,13 @@ def corrected_deltas(
     retained, leaked = [0, 0], [0, 0]
     for a in live.values():
         if a.freed_by is not None:
-            deltas.append((a.freed_by, -a.nbytes))
-            missed[0] += 1
-            missed[1] += a.nbytes
+            missed_free(a, a.freed_by)
         else:
             kept = retained if a.ptr in known else leaked
             kept[0] += 1
             kept[1] += a.nbytes
+            if earliest and kept is leaked and a.last_use is not None:
+                deltas.append((max(a.ts, a.last_use), -a.nbytes))
     return Corrected(deltas, _pair(missed), _pair(retained), _pair(leaked), _pair(foreign))
 
 
@@ -177,11 +204,57 @@ def _freed_by(event: Any) -> int | None:
     return coalesce
 
 
+def _where(event: Any, depth: int = 8) -> str:
+    names = []
+    parent = event.parent
+    while parent is not None and len(names) < depth:
+        names.append(parent.name)
+        parent = parent.parent
+    return " < ".join(names)
+
+
+def live_at(
+    allocations: list[Allocation], ts_ns: int, known: frozenset[int] = frozenset()
+) -> list[Allocation]:
+    """The blocks live at `ts_ns`, unreported frees put at their earliest (as `peak` counts them;
+    a block still live at the end is live)."""
+    live: dict[int, Allocation] = {}
+    ends: dict[int, int] = {}  # id(block) -> when it was freed
+    for a in allocations:
+        if a.nbytes > 0:
+            earlier = live.pop(a.ptr, None)
+            if earlier is not None:  # unreported free, at the latest at this reuse
+                ends[id(earlier)] = _earliest(earlier, a.ts)
+            live[a.ptr] = a
+        elif (block := live.pop(a.ptr, None)) is not None:
+            ends[id(block)] = a.ts
+    for a in live.values():
+        if a.freed_by is not None:
+            ends[id(a)] = _earliest(a, a.freed_by)
+        elif a.ptr not in known and a.last_use is not None:
+            ends[id(a)] = max(a.ts, a.last_use)  # leaked: its free, if any, was not reported
+    return [
+        a
+        for a in allocations
+        if a.nbytes > 0 and a.ts <= ts_ns and ends.get(id(a), ts_ns + 1) > ts_ns
+    ]
+
+
+def _earliest(block: Allocation, latest: int) -> int:
+    """The earliest moment an unreported free can have happened, given the latest."""
+    if block.freed_by is not None:
+        latest = min(latest, block.freed_by)
+    return latest if block.last_use is None else min(latest, max(block.ts, block.last_use))
+
+
 class AllocatorProfile:
     """A CPU profiler recording allocator events, with named windows to take peaks over."""
 
     def __init__(self) -> None:
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        # record_shapes: each operator's input tensors, with their allocations' identities
+        self._profile = profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+        )
         self._allocations: list[Allocation] = []
         self._spans: list[Span] = []
         self._threads: set[int] = set()
@@ -198,11 +271,20 @@ class AllocatorProfile:
 
     def _read(self, results: Any) -> None:
         """Allocator events from the event tree (it has their addresses), user spans from the
-        flat event list; both in the profiler's clock."""
-        stack = list(results.experimental_event_tree())
+        flat event list; both in the profiler's clock. Each allocation's last use: the latest end
+        of an operator given a tensor of that allocation (its `allocation_id`) as an input."""
+        events, stack = [], list(results.experimental_event_tree())
         while stack:
             event = stack.pop()
             stack.extend(event.children)
+            events.append(event)
+        last_use: dict[int, int] = {}
+        for event in events:
+            if event.tag == _EventType.TorchOp:
+                for x in event.extra_fields.inputs:
+                    if (use := getattr(x, "allocation_id", None)) is not None:
+                        last_use[use] = max(last_use.get(use, 0), int(event.end_time_ns))
+        for event in events:
             if event.tag == _EventType.Allocation:
                 nbytes = event.extra_fields.alloc_size
                 self._threads.add(event.start_tid)
@@ -212,6 +294,8 @@ class AllocatorProfile:
                         event.extra_fields.ptr,
                         nbytes,
                         _freed_by(event) if nbytes > 0 else None,
+                        last_use.get(event.extra_fields.allocation_id) if nbytes > 0 else None,
+                        _where(event) if nbytes > 0 else "",
                     )
                 )
         self._allocations.sort(key=lambda a: a.ts)
@@ -236,10 +320,12 @@ class AllocatorProfile:
             raise ValueError(f"no window named {name!r} was recorded")
         start, end = min(s.start_ns for s in spans), max(s.end_ns for s in spans)
         raw = [(a.ts, a.nbytes) for a in self._allocations]
-        fixed = corrected_deltas(self._allocations, known)
+        fixed = corrected_deltas(self._allocations, known, earliest=True)
+        latest = corrected_deltas(self._allocations, known)
         peak, at_start, peak_ns = running_peak(fixed.deltas, start, end)
         return LiveBytes(
             peak=peak,
+            upper_peak=running_peak(latest.deltas, start, end)[0],
             raw_peak=running_peak(raw, start, end)[0],
             at_start=at_start,
             peak_ns=peak_ns,
@@ -250,6 +336,10 @@ class AllocatorProfile:
             foreign_frees=fixed.foreign_frees,
             events=len(self._allocations),
         )
+
+    def live_at_peak(self, name: str, known: frozenset[int] = frozenset()) -> list[Allocation]:
+        """The blocks live at the peak of the window `name` (as `live_bytes(name).peak` counts)."""
+        return live_at(self._allocations, self.live_bytes(name, known).peak_ns, known)
 
     def span_at(self, ts_ns: int, names: set[str]) -> str | None:
         """The name of the innermost recorded span among `names` that contains `ts_ns`."""

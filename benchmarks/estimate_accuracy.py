@@ -15,14 +15,17 @@ trial's measured peak is reported beside the figures), `--warmup` unmeasured ste
   started before the model is built, so that its running total of allocator bytes counts
   everything the training holds, C++-side buffers included (DDP's gradient buckets); its maximum
   over the measured steps with the frees gloo makes on its own thread inferred (`_live_bytes.py`,
-  DESIGN.md section 3), and beside it the raw bound (those frees not inferred: an upper bound).
+  DESIGN.md section 3) at the earliest moment they can have happened (the end of the block's last
+  use), and beside it the upper bound (the same frees at the latest moment: the reuse of the
+  address) and the raw one (those frees not inferred at all).
   On CUDA, `torch.cuda.max_memory_allocated` over the measured steps less what was allocated
   before the model was built.
 - tracker peak, beside it: torch's MemTracker (FSDPMemTracker under FSDP2) over the same steps.
   It sees tensors at the dispatcher, so it misses C++-side buffers and kernels' scratch memory.
 
-error = (predicted - allocator peak) / allocator peak, per rank; a row reports its worst rank
-(and the raw error beside it). Every configuration builds its own model and optimizer and frees
+error = (predicted - allocator peak) / allocator peak, per rank; a row reports it for the rank
+with the highest peak (the estimate is the job's: the most any rank needs), with the upper and
+raw errors beside it. Every configuration builds its own model and optimizer and frees
 them before the next; frees of blocks allocated before its profile are not counted. A
 configuration whose profile ends with an unexplained block still live (a free the profiler missed
 and could not infer, see `_live_bytes.py`) is measured again, up to `--retries` times; if it
@@ -267,6 +270,7 @@ def measure(
         gc.collect()
     live = prof.live_bytes(MEASURED, known)
     out["allocator_peak_bytes"] = cuda.peak if cuda else live.peak
+    out["allocator_upper_peak_bytes"] = cuda.peak if cuda else live.upper_peak
     out["allocator_raw_peak_bytes"] = live.raw_peak
     out["window"] = {
         "at_start": live.at_start,
@@ -279,6 +283,9 @@ def measure(
         "memory_threads": prof.thread_count(),
     }
     out["peak_phase"] = None if cuda else prof.span_at(live.peak_ns, set(PHASES))
+    if args.explain and not cuda:
+        blocks = sorted(prof.live_at_peak(MEASURED, known), key=lambda a: -a.nbytes)
+        out["at_peak"] = [[a.nbytes, a.where] for a in blocks[: args.explain]]
     return out
 
 
@@ -332,10 +339,15 @@ def run_config(
     first = ranks[0]
     predicted = [r["predicted_bytes"] for r in ranks]
     allocator = [r["allocator_peak_bytes"] for r in ranks]
+    upper = [r["allocator_upper_peak_bytes"] for r in ranks]
     raw = [r["allocator_raw_peak_bytes"] for r in ranks]
     errors = [(p - a) / a for p, a in zip(predicted, allocator, strict=True)]
+    upper_errors = [(p - a) / a for p, a in zip(predicted, upper, strict=True)]
     raw_errors = [(p - a) / a for p, a in zip(predicted, raw, strict=True)]
-    worst = max(range(len(ranks)), key=lambda i: abs(errors[i]))
+    # The estimate is the job's: what every rank must have free, the most any rank needs (rank
+    # 0's shard is the largest). So it is compared with the rank whose measured peak is highest;
+    # every rank's error is kept beside it (`errors`).
+    worst = max(range(len(ranks)), key=lambda i: (allocator[i], -i))
     row.update(
         {
             "params": first["params"],
@@ -347,7 +359,9 @@ def run_config(
             "breakdown": first["breakdown"],
             "predicted_bytes": predicted,
             "allocator_peak_bytes": allocator,
+            "allocator_upper_peak_bytes": upper,
             "allocator_raw_peak_bytes": raw,
+            "upper_errors": upper_errors,
             "raw_errors": raw_errors,
             "prepare_predicted_bytes": [r["prepare_predicted_bytes"] for r in ranks],
             "trial_peak_bytes": [r["trial_peak_bytes"] for r in ranks],
@@ -359,6 +373,7 @@ def run_config(
             "worst_rank": worst,
             "error": errors[worst],
             "peak_phase": [r["peak_phase"] for r in ranks],
+            "at_peak": [r.get("at_peak") for r in ranks],
             "window": [r["window"] for r in ranks],
             # no unexplained block outlived the profile: the peak is not just an upper bound
             "clean": all(clean(r) for r in ranks),
@@ -380,9 +395,10 @@ def _mib(values: list[int], worst: int) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | world | strategy | mp | AC | predicted MiB | allocator peak MiB | "
-        "raw peak MiB | trial MiB | tracker MiB | error % | raw error % | measured peak in |"
+        "upper bound MiB | raw peak MiB | trial MiB | tracker MiB | error % | upper error % | "
+        "raw error % | measured peak in |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         mp = r.get("mixed_precision", r["mixed_precision_requested"])
         ac = (
@@ -392,16 +408,18 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {mp} | {ac} |"
         if r["error_message"] is not None:
-            lines.append(f"{lead} failed: {r['error_message'][:80]} | | | | | | | |")
+            lines.append(f"{lead} failed: {r['error_message'][:80]} | | | | | | | | | |")
             continue
         w = r["worst_rank"]
         flag = "" if r["clean"] else " (upper bound)"
         trial = r["trial_peak_bytes"][w]
         lines.append(
             f"{lead} {_mib(r['predicted_bytes'], w)} | {_mib(r['allocator_peak_bytes'], w)} | "
+            f"{_mib(r['allocator_upper_peak_bytes'], w)} | "
             f"{_mib(r['allocator_raw_peak_bytes'], w)} | "
             f"{'-' if trial is None else common.mib(trial)} | "
             f"{_mib(r['tracker_peak_bytes'], w)} | {100 * r['error']:+.1f}{flag} | "
+            f"{100 * r['upper_errors'][w]:+.1f} | "
             f"{100 * r['raw_errors'][w]:+.1f} | {r['peak_phase'][w]} |"
         )
     return "\n".join(lines)
@@ -525,6 +543,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument(
+        "--explain",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print each rank's N largest blocks live at its peak, with the operators that "
+        "allocated them (CPU)",
+    )
+    p.add_argument(
         "--world-sizes",
         default=None,
         help="without torchrun: launch torchrun once per world size (e.g. 1,2) and merge",
@@ -612,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * row['error']:+.1f}%",
                 flush=True,
             )
+            for r, blocks in enumerate(row["at_peak"] if args.explain else []):
+                say(f"    rank {r}: {row['allocator_peak_bytes'][r]:,d} B at its peak")
+                for nbytes, where in blocks:
+                    say(f"      {nbytes:>10,d} B  {where}")
         else:
             say(f"  {name:6s} world {world} {strategy:13s} failed: {row['error_message']}")
     if rank == 0:

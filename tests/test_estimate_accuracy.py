@@ -16,7 +16,13 @@ from _dist import REPO, SLOW_MACHINE, run_torchrun
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import zoo_external  # noqa: E402
-from _live_bytes import Allocation, AllocatorProfile, corrected_deltas, running_peak  # noqa: E402
+from _live_bytes import (  # noqa: E402
+    Allocation,
+    AllocatorProfile,
+    corrected_deltas,
+    live_at,
+    running_peak,
+)
 
 WORST_TARGET = 0.08  # the target for every configuration
 # About 90 s on 2 idle cores (18 configurations); the limit turns a hang into a failure (see
@@ -34,6 +40,7 @@ ROW_FIELDS = {
     "num_blocks",
     "predicted_bytes",
     "allocator_peak_bytes",
+    "allocator_upper_peak_bytes",
     "allocator_raw_peak_bytes",
     "tracker_peak_bytes",
     "errors",
@@ -225,6 +232,33 @@ def _external_models() -> tuple[str, ...]:
     pytest.importorskip("transformers", reason="transformers is not installed (the test extra)")
     pytest.importorskip("peft", reason="peft is not installed (the test extra)")
     return zoo_external.FAST
+
+
+def test_unreported_frees_have_two_bounds_the_last_use_and_the_reuse() -> None:
+    allocations = [
+        Allocation(0, ptr=1, nbytes=100, last_use=5),  # last used at 5, its free unreported
+        Allocation(10, ptr=2, nbytes=50),
+        Allocation(20, ptr=2, nbytes=-50),
+        Allocation(30, ptr=1, nbytes=100),  # its address reused: freed at the latest here
+        Allocation(40, ptr=1, nbytes=-100),
+        Allocation(50, ptr=3, nbytes=20, last_use=55),  # never freed nor reused
+        Allocation(60, ptr=4, nbytes=30),  # never used, never freed
+    ]
+    latest = corrected_deltas(allocations)
+    earliest = corrected_deltas(allocations, earliest=True)
+    # latest: 100, 150 at 10, 100 at 20, 100 at 30 (-100 + 100), 0 at 40, then 20 and 50
+    assert running_peak(latest.deltas, 0, 45)[0] == 150
+    assert sum(d for _, d in latest.deltas) == 50
+    # earliest: 100 until 5, 50 at 10, 0 at 20, 100 at 30; the leaked block freed after its use
+    assert running_peak(earliest.deltas, 0, 45)[0] == 100
+    assert sum(d for _, d in earliest.deltas) == 30
+    # both count the same frees as missed, and both blocks as leaked (the row is measured again)
+    assert latest.missed_frees == earliest.missed_frees == (1, 100)
+    assert latest.leaked == earliest.leaked == (2, 50)
+    # what is live at a moment, as the earliest bound counts it
+    assert [a.ptr for a in live_at(allocations, 12)] == [2]
+    assert [a.ptr for a in live_at(allocations, 52)] == [3]
+    assert [a.ptr for a in live_at(allocations, 65)] == [4]
 
 
 @pytest.fixture(scope="module")
