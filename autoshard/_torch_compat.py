@@ -99,6 +99,13 @@ SYMBOLS: dict[str, Symbol] = {
     ),
     # Graceful where absent: no fp32 fake kernel is installed (nothing runs through it).
     "_grouped_mm": Symbol("torch:ops.aten._grouped_mm", "fp32 _grouped_mm fakes (MoE experts)"),
+    # Graceful where absent: the simulation holds no gloo buffer for that collective.
+    "_allgather_base_": Symbol(
+        "torch:ops.c10d._allgather_base_", "gloo's buffers in the simulation (all-gather)"
+    ),
+    "_reduce_scatter_base_": Symbol(
+        "torch:ops.c10d._reduce_scatter_base_", "gloo's buffers in the simulation (reduce-scatter)"
+    ),
     # Graceful where absent (a torch without oneDNN): the CPU counts as having no native bf16.
     "_is_mkldnn_bf16_supported": Symbol(
         "torch:ops.mkldnn._is_mkldnn_bf16_supported", "choosing bf16 or fp16 on CPU"
@@ -277,6 +284,14 @@ def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterat
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+def op_overload(name: str) -> Any:
+    """The default overload of operator `SYMBOLS[name]`, or None on a torch without it."""
+    try:
+        return resolve(name).default
+    except MissingTorchSymbol:
+        return None
 
 
 def grouped_mm() -> Any:

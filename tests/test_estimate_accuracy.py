@@ -319,22 +319,10 @@ def test_external_estimate_within_target(external: dict, model: str, strategy: s
     assert not any("not simulated" in r for r in row["reasons"]), detail
 
 
-# A known gap, kept visible rather than loosened: on gloo, FSDP2's reduce-scatter inputs are freed
-# on gloo's own thread at times that vary from run to run, so one rank's peak sometimes holds one
-# more unit's reduce-scatter input (dict_out: -3.8% and -5.6% in 2 of 4 runs, each on one rank
-# only). The estimate does not model it yet (issue 12 stays open); DDP rows are held strictly.
-_GLOO_RS_GAP = pytest.mark.xfail(
-    strict=False,
-    reason="gloo's own-thread frees of reduce-scatter inputs vary run to run; not modelled yet",
-)
-
-
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("model", zoo_external.FAST)
-@pytest.mark.parametrize(
-    "strategy", [s if s == "ddp" else pytest.param(s, marks=_GLOO_RS_GAP) for s in STRATEGIES]
-)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_external_no_underestimate_beyond_target(external: dict, model: str, strategy: str) -> None:
     row = _external_row(external, model, strategy)
     w = row["worst_rank"]

@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from _dist import REPO
+import torch.distributed as dist
+from _dist import REPO, launch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autoshard
 from autoshard.measure import workspace
+from autoshard.measure.fake import fake_mesh
 from autoshard.measure.workspace import Workspace, unmeasured_note
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _live_bytes import AllocatorProfile  # noqa: E402
 
 CPU = torch.device("cpu")
+# torch 2.13 names them *_single; 2.11 has only the older names, deprecated since
+GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # A bf16 3x3 convolution: on a CPU without native bf16 its kernel holds several times its output
 # in scratch (4.5 MiB beside a 0.5 MiB output on torch 2.13); with native bf16, less.
 SHAPE, WEIGHT = (16, 16, 32, 32), (16, 16, 3, 3)
@@ -70,6 +76,45 @@ def test_simulated_peak_equals_the_allocators_peak_of_the_real_call() -> None:
     assert _tracked_peak(workspace=False) == inputs + output  # what the tracker alone sees
     assert real > output  # this kernel does hold scratch memory here
     assert _tracked_peak(workspace=True) == inputs + real  # all of it, at the call
+
+
+def _collective_peak(device: torch.device, collective: str) -> tuple[int, int, int]:
+    """(the tracker's peak over one fake collective under `Workspace(device)`, its input's and
+    its output's bytes), on a fake process group of 2 ranks."""
+    with fake_mesh(2, 0, "cpu") as mesh, FakeTensorMode():
+        group = mesh.get_group()
+        if collective == "all_gather":
+            input, output = torch.zeros(1000), torch.zeros(2000)
+            call = lambda: GATHER(output, input, group=group)  # noqa: E731
+        else:
+            input, output = torch.zeros(1000), torch.zeros(500)
+            call = lambda: SCATTER(output, input, group=group)  # noqa: E731
+        tracker = MemTracker()
+        tracker.track_external(input, output)
+        with tracker, Workspace(device):
+            call()
+    peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    return peak, input.nbytes, output.nbytes
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_simulated_collectives_hold_gloos_buffer_on_cpu_only(collective: str) -> None:
+    peak, input, output = _collective_peak(CPU, collective)
+    gloo = output if collective == "all_gather" else input  # its output's size, its input's
+    assert peak == input + output + gloo
+    # NCCL copies nothing through the caching allocator: a CUDA plan adds nothing
+    assert _collective_peak(torch.device("cuda"), collective)[0] == input + output
+
+
+@pytest.mark.dist
+def test_gloo_holds_what_the_simulation_adds(tmp_path: Path) -> None:
+    """On 2 real gloo ranks, the most allocated at once inside each collective is what
+    GLOO_BUFFERS adds in the simulation (a torch whose gloo copies otherwise fails here)."""
+    run = launch("gloo_buffers", tmp_path, launcher=None)
+    for name in ("all_gather", "reduce_scatter"):
+        for held in run.case(name):
+            assert held["measured"] == held["modelled"] > 0, (name, held)
+    assert run.case("all_reduce") == [0, 0]
 
 
 def test_other_operators_pass_through_unmeasured() -> None:
