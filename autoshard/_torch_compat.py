@@ -106,6 +106,10 @@ SYMBOLS: dict[str, Symbol] = {
     "_reduce_scatter_base_": Symbol(
         "torch:ops.c10d._reduce_scatter_base_", "gloo's buffers in the simulation (reduce-scatter)"
     ),
+    # Graceful where absent: the simulation answers no yes/no read back (it fails as before).
+    "_local_scalar_dense": Symbol(
+        "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
+    ),
     # Graceful where absent (a torch without oneDNN): the CPU counts as having no native bf16.
     "_is_mkldnn_bf16_supported": Symbol(
         "torch:ops.mkldnn._is_mkldnn_bf16_supported", "choosing bf16 or fp16 on CPU"

@@ -25,6 +25,9 @@ class ActivationProfile:
         compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
         unused_parameters: trainable parameters that got no gradient in the traced step (DDP
             must then look for them every step: find_unused_parameters).
+        answers: for a step measured on real tensors, the yes/no values it read back from its
+            tensors, by the place in the code that read them (`measure.answers`): the
+            simulation answers them alike.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -36,6 +39,7 @@ class ActivationProfile:
     total_forward_flops: int
     compute_dtype: torch.dtype
     unused_parameters: tuple[str, ...] = ()
+    answers: tuple[tuple[str, bool], ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:

@@ -182,10 +182,16 @@ def _measured_for_real(
         except Exception as real_error:  # noqa: BLE001 - reported below, as for the fake trace
             failed += f"; nor on real tensors ({type(real_error).__name__}: {real_error})"[:200]
         else:
+            answered = (
+                f"; the simulation answers the {len(profile.answers)} yes/no value(s) that step "
+                f"read back from its tensors as it did"
+                if profile.answers
+                else ""
+            )
             return Measured(
                 profile,
                 f"{failed}; its activations were {how} "
-                f"({human(profile.activation_bytes(0))} saved for backward)",
+                f"({human(profile.activation_bytes(0))} saved for backward){answered}",
             )
     note = f"warning: {failed}; activations not estimated: the estimate leaves them out"
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,12 +21,16 @@ from autoshard._torch_compat import (
     keep_children,
     missing,
 )
+from autoshard.measure.answers import READ_BACK, answering
 
 
 @contextlib.contextmanager
-def wider_fake_kernels() -> Iterator[None]:
+def wider_fake_kernels(answers: Mapping[str, bool] | None = None) -> Iterator[None]:
     """Fake-tensor kernels for operations whose fake version refuses what the real one runs,
     installed only while a trace or simulation runs (DESIGN.md section 3).
+
+    With `answers` (`ActivationProfile.answers`), a boolean read back from a fake tensor where
+    the real step read it is answered as the real step answered it (`measure.answers`).
 
     `torch._grouped_mm` (transformers 5 runs mixture-of-experts layers through it): its meta
     kernel in torch 2.13 requires bf16 inputs (the CUDA kernel's constraint), while the CPU
@@ -34,11 +38,12 @@ def wider_fake_kernels() -> Iterator[None]:
     (`_create_grouped_mm_output_tensor`), in the input dtype, and it saves nothing else: the
     fake output here is that tensor, so the trace and the trackers count what a real step holds.
     """
-    op = grouped_mm()
-    if op is None:  # a torch without _grouped_mm: nothing runs through it
-        yield
-        return
-    with fake_kernel(op, _grouped_mm_any_dtype):
+    with contextlib.ExitStack() as stack:
+        op = grouped_mm()
+        if op is not None:  # a torch without _grouped_mm: nothing runs through it
+            stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
+        if answers and READ_BACK is not None:
+            stack.enter_context(fake_kernel(READ_BACK, answering(answers)))
         yield
 
 

@@ -82,6 +82,8 @@ class Setup:
     checkpoint_all: bool = False  # every block activation-checkpointed, as `wrap.apply` does it
     # the device the ranks train on, where kernel workspaces are measured (None: `device`)
     trains_on: torch.device | None = None
+    # yes/no values the real step read back, by place (`ActivationProfile.answers`)
+    answers: tuple[tuple[str, bool], ...] = ()
 
 
 def simulate(
@@ -190,7 +192,7 @@ def _run(
 ) -> tuple[Phase, Phase]:
     mode = fake_mode()
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
-    with wider_fake_kernels(), mode:
+    with wider_fake_kernels(dict(setup.answers)), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy)
 
 

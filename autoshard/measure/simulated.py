@@ -51,7 +51,10 @@ def with_simulation(
     # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
     here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     dtype = inputs.mixed_precision.dtype
-    setup = Setup(block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device)
+    answers = inputs.profile.answers if inputs.profile is not None else ()
+    setup = Setup(
+        block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device, answers=answers
+    )
     # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
     # misses: where checkpointed candidates matter, a strategy is simulated with every block
     # checkpointed too. Which ones is first judged by formula, so that those runs share one round

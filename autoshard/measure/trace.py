@@ -25,6 +25,7 @@ from torch import nn
 from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
 from autoshard._torch_compat import fake_mode, storage_key, tree_map
 from autoshard.decide.profile import ActivationProfile
+from autoshard.measure.answers import Recorder, agreed
 from autoshard.measure.fake import wider_fake_kernels
 
 logger = logging.getLogger("autoshard")
@@ -81,8 +82,9 @@ def profile_step(
     from torch.utils.flop_counter import FlopCounterMode
 
     mode: Any
+    recorder = Recorder()
     if real:
-        mode = contextlib.nullcontext()
+        mode = recorder
         aliases: dict[int, torch.Tensor] = {}
         state = {
             n: aliases.setdefault(id(t), t.detach().requires_grad_(t.requires_grad))
@@ -144,6 +146,7 @@ def profile_step(
             for name, param in model.named_parameters()
             if param.requires_grad and state[name].grad is None
         ),
+        answers=tuple(recorder.answers().items()),
     )
 
 
@@ -185,6 +188,7 @@ def profile_scaled(
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
+        answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
     )
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
 
