@@ -278,26 +278,48 @@ class AllocatorProfile:
             event = stack.pop()
             stack.extend(event.children)
             events.append(event)
-        last_use: dict[int, int] = {}
+        # allocation id -> (start, end) of each operator given a tensor of it as an input. The
+        # profiler keeps an allocation's id for a later block at the same address when the free
+        # in between went unreported: a use counts for the block live when the operator started.
+        uses: dict[int, list[tuple[int, int]]] = {}
         for event in events:
             if event.tag == _EventType.TorchOp:
                 for x in event.extra_fields.inputs:
-                    if (use := getattr(x, "allocation_id", None)) is not None:
-                        last_use[use] = max(last_use.get(use, 0), int(event.end_time_ns))
-        for event in events:
-            if event.tag == _EventType.Allocation:
-                nbytes = event.extra_fields.alloc_size
-                self._threads.add(event.start_tid)
-                self._allocations.append(
-                    Allocation(
-                        event.start_time_ns,
-                        event.extra_fields.ptr,
-                        nbytes,
-                        _freed_by(event) if nbytes > 0 else None,
-                        last_use.get(event.extra_fields.allocation_id) if nbytes > 0 else None,
-                        _where(event) if nbytes > 0 else "",
-                    )
+                    if (key := getattr(x, "allocation_id", None)) is not None:
+                        uses.setdefault(key, []).append(
+                            (int(event.start_time_ns), int(event.end_time_ns))
+                        )
+        blocks = sorted(
+            (e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns
+        )
+        until: dict[int, int] = {}  # id(event) -> when the next block at its address came
+        latest: dict[int, Any] = {}
+        for event in blocks:
+            if event.extra_fields.alloc_size > 0:
+                if (earlier := latest.get(event.extra_fields.ptr)) is not None:
+                    until[id(earlier)] = event.start_time_ns
+                latest[event.extra_fields.ptr] = event
+        for event in blocks:
+            nbytes = event.extra_fields.alloc_size
+            self._threads.add(event.start_tid)
+            last_use = None
+            if nbytes > 0:
+                ends = [
+                    end
+                    for start, end in uses.get(event.extra_fields.allocation_id, ())
+                    if event.start_time_ns <= start < until.get(id(event), 1 << 62)
+                ]
+                last_use = max(ends, default=None)
+            self._allocations.append(
+                Allocation(
+                    event.start_time_ns,
+                    event.extra_fields.ptr,
+                    nbytes,
+                    _freed_by(event) if nbytes > 0 else None,
+                    last_use,
+                    _where(event) if nbytes > 0 else "",
                 )
+            )
         self._allocations.sort(key=lambda a: a.ts)
         for flat in results.events():
             if flat.is_user_annotation():
