@@ -250,10 +250,12 @@ def _earliest(block: Allocation, latest: int) -> int:
 class AllocatorProfile:
     """A CPU profiler recording allocator events, with named windows to take peaks over."""
 
-    def __init__(self) -> None:
-        # record_shapes: each operator's input tensors, with their allocations' identities
+    def __init__(self, record_uses: bool = True) -> None:
+        # record_shapes: each operator's input tensors, with their allocations' identities (the
+        # last uses that bound an unreported free at the earliest); without, both bounds are the
+        # latest, and the profile is cheaper
         self._profile = profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=record_uses
         )
         self._allocations: list[Allocation] = []
         self._spans: list[Span] = []

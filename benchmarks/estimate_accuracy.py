@@ -230,7 +230,7 @@ def measure(
     out.update(plan_figures(outside))
     del built
     gc.collect()
-    with AllocatorProfile() as prof:
+    with AllocatorProfile(record_uses=args.last_use) as prof:
         built = build(name, args, device)
         out["params"] = zoo.parameter_count(built.model)
         out["per_rank_batch"] = tensors_in(built.batch)[0].shape[0]
@@ -542,6 +542,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure the allocator only (to check that the tracker changes nothing)",
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    p.add_argument(
+        "--no-last-use",
+        dest="last_use",
+        action="store_false",
+        help="bound unreported frees at the latest only (address reuse): no operator inputs "
+        "recorded, a cheaper profile; the compared peak is then the upper bound",
+    )
     p.add_argument(
         "--explain",
         type=int,
