@@ -216,8 +216,8 @@ def _where(event: Any, depth: int = 8) -> str:
 def live_at(
     allocations: list[Allocation], ts_ns: int, known: frozenset[int] = frozenset()
 ) -> list[Allocation]:
-    """The blocks live at `ts_ns`, unreported frees put at their earliest (as `peak` counts them;
-    a block still live at the end is live)."""
+    """The blocks live at `ts_ns`, unreported frees put at their earliest, as `peak` counts them
+    (a block still live at the end is live, a leaked one only until its last use)."""
     live: dict[int, Allocation] = {}
     ends: dict[int, int] = {}  # id(block) -> when it was freed
     for a in allocations:
