@@ -300,10 +300,7 @@ def op_overload(name: str) -> Any:
 
 def grouped_mm() -> Any:
     """`torch.ops.aten._grouped_mm.default`, or None on a torch without it."""
-    try:
-        return resolve("_grouped_mm").default
-    except MissingTorchSymbol:
-        return None
+    return op_overload("_grouped_mm")
 
 
 @contextlib.contextmanager
