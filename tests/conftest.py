@@ -1,8 +1,14 @@
 """Test selection: tests marked `slow` (benchmark smoke runs and other long torchrun launches)
 run only with `--full`, which CI and the README's test command pass; plain `pytest` stays quick
-for the edit-test loop."""
+for the edit-test loop.
+
+Under pytest-xdist (`-n 2`, as the README's test command runs it) each test file goes whole to
+one worker: a module's launch fixture (one torchrun job whose results its tests read) then runs
+once, not once per worker that draws one of its tests."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -13,6 +19,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="also run the tests marked slow (CI and the README's test command do)",
     )
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may not be installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "load":  # xdist's default for -n; another --dist is kept
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

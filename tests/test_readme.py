@@ -93,12 +93,12 @@ NOT_RUN = {
     ".venv/bin/autoshard demo": f"{INSTALL}; `autoshard demo` itself runs in "
     "test_autoshard_demo_trains",
     'python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[test]" && '
-    ".venv/bin/python -m pytest --full": f"{INSTALL}, then runs this suite",
+    ".venv/bin/python -m pytest --full -n 2": f"{INSTALL}, then runs this suite",
     "pip install -e .": "installs into the reader's own environment",
     '.venv/bin/pip install -e ".[dev]"': INSTALL,
     '.venv/bin/pip install -e ".[bench]"': INSTALL,
     ".venv/bin/python -m pytest": "runs this suite",
-    ".venv/bin/python -m pytest --full": "runs this suite",
+    ".venv/bin/python -m pytest --full -n 2": "runs this suite",
     ".venv/bin/ruff check .": "CI's lint step",
     ".venv/bin/mypy autoshard": "CI's type check",
     "bash .ci/run": "CI itself",
