@@ -56,7 +56,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -183,12 +183,36 @@ def state_pointers(prepared: autoshard.Prepared, batch: Any) -> frozenset[int]:
     return frozenset(pointers)
 
 
-def build(name: str, args: argparse.Namespace, device: torch.device) -> zoo.ZooModel:
-    """Zoo model `name` from the zoo `--zoo` names, as this rank feeds it."""
+def build(
+    name: str, args: argparse.Namespace, device: torch.device, implementation: str = "default"
+) -> zoo.ZooModel:
+    """Zoo model `name` from the zoo `--zoo` names, as this rank feeds it, its optimizer running
+    `implementation` (`OPTIMIZER_IMPLEMENTATIONS`)."""
     registry = zoo_external if args.zoo == "external" else zoo
-    return registry.build(
+    built = registry.build(
         name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device
     )
+    return built._replace(optimizer=with_implementation(built.optimizer, implementation))
+
+
+# How an optimizer's step runs: torch's default for the device (CPU: the for-loop, CUDA:
+# foreach), the for-loop over parameters, one foreach kernel per list, one fused kernel.
+OPTIMIZER_IMPLEMENTATIONS = {
+    "default": {},
+    "loop": {"foreach": False, "fused": None},
+    "foreach": {"foreach": True, "fused": None},
+    "fused": {"foreach": None, "fused": True},
+}
+
+
+def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> Any:
+    """The same optimizer class over the same parameter groups, its step run as
+    `implementation` (no state yet: the zoo's optimizers have not stepped)."""
+    flags = OPTIMIZER_IMPLEMENTATIONS[implementation]
+    if not flags:
+        return optimizer
+    groups = [{**group, **flags} for group in optimizer.param_groups]
+    return type(optimizer)(groups)  # type: ignore[call-arg]
 
 
 def plan_figures(plan: autoshard.Plan) -> dict[str, Any]:
@@ -206,11 +230,20 @@ def plan_figures(plan: autoshard.Plan) -> dict[str, Any]:
     }
 
 
-def measure(
-    name: str, strategy: str, mp: str, ac: bool, args: argparse.Namespace, device: torch.device
-) -> dict[str, Any]:
+class Config(NamedTuple):
+    """One row of the grid."""
+
+    model: str
+    strategy: str
+    mp: str  # mixed precision requested
+    ac: bool  # every block checkpointed
+    optimizer: str = "default"  # the step's implementation (`OPTIMIZER_IMPLEMENTATIONS`)
+
+
+def measure(config: Config, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """This rank's figures for one configuration: built, wrapped, stepped and freed inside one
     allocator profile, so that its running total counts everything the training holds."""
+    name, strategy, mp, ac, implementation = config
     out: dict[str, Any] = {}
     gc.collect()
     dist.barrier()
@@ -222,7 +255,7 @@ def measure(
         "mixed_precision": mp,
         "activation_checkpointing": ac,
     }
-    built = build(name, args, device)
+    built = build(name, args, device, implementation)
     # The estimate compared: a plan() made before and outside the profile, as a user makes it.
     outside = autoshard.plan(
         built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **choice
@@ -231,7 +264,7 @@ def measure(
     del built
     gc.collect()
     with AllocatorProfile(record_uses=args.last_use) as prof:
-        built = build(name, args, device)
+        built = build(name, args, device, implementation)
         out["params"] = zoo.parameter_count(built.model)
         out["per_rank_batch"] = tensors_in(built.batch)[0].shape[0]
         started = time.perf_counter()
@@ -295,14 +328,14 @@ def clean(figures: dict[str, Any]) -> bool:
 
 
 def measure_agreed(
-    name: str, strategy: str, mp: str, ac: bool, args: argparse.Namespace, device: torch.device
+    config: Config, args: argparse.Namespace, device: torch.device
 ) -> tuple[list[dict[str, Any]], int]:
     """Every rank's figures, measured again (up to --retries times) while some rank's profile
     has an unexplained leftover block; the attempt with the fewest leaked bytes is kept."""
     best: list[dict[str, Any]] | None = None
     for attempt in range(1, args.retries + 2):
         try:
-            mine: dict[str, Any] = measure(name, strategy, mp, ac, args, device)
+            mine: dict[str, Any] = measure(config, args, device)
         except Exception as error:  # recorded, so that one configuration does not end the grid
             mine = {"error": f"{type(error).__name__}: {error}"}
         ranks = common.gather(mine)
@@ -320,17 +353,16 @@ def leaked(ranks: list[dict[str, Any]]) -> int:
     return max(r["window"]["leaked"][1] for r in ranks)
 
 
-def run_config(
-    name: str, strategy: str, mp: str, ac: bool, args: argparse.Namespace, device: torch.device
-) -> dict[str, Any]:
+def run_config(config: Config, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """One row: every rank's figures and the worst rank's error."""
-    ranks, attempts = measure_agreed(name, strategy, mp, ac, args, device)
+    ranks, attempts = measure_agreed(config, args, device)
     row: dict[str, Any] = {
-        "model": name,
+        "model": config.model,
+        "optimizer": config.optimizer,
         "world_size": dist.get_world_size(),
-        "strategy": strategy,
-        "mixed_precision_requested": mp,
-        "activation_checkpointing_requested": ac,
+        "strategy": config.strategy,
+        "mixed_precision_requested": config.mp,
+        "activation_checkpointing_requested": config.ac,
         "attempts": attempts,
         "error_message": next((r["error"] for r in ranks if "error" in r), None),
     }
@@ -394,11 +426,11 @@ def _mib(values: list[int], worst: int) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| model | world | strategy | mp | AC | predicted MiB | allocator peak MiB | "
+        "| model | world | strategy | optimizer | mp | AC | predicted MiB | allocator peak MiB | "
         "upper bound MiB | raw peak MiB | trial MiB | tracker MiB | error % | upper error % | "
         "raw error % | measured peak in |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         mp = r.get("mixed_precision", r["mixed_precision_requested"])
         ac = (
@@ -406,7 +438,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             if "checkpointed" in r
             else str(r["activation_checkpointing_requested"])
         )
-        lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {mp} | {ac} |"
+        optimizer = r.get("optimizer", "default")
+        lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {optimizer} | {mp} | {ac} |"
         if r["error_message"] is not None:
             lines.append(f"{lead} failed: {r['error_message'][:80]} | | | | | | | | | |")
             continue
@@ -437,7 +470,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "worst_abs_error": abs(worst["error"]) if worst else None,
         "worst": (
             f"{worst['model']} world {worst['world_size']} {worst['strategy']} "
-            f"mp {worst['mixed_precision']} AC {worst['checkpointed']}/{worst['num_blocks']}"
+            f"AdamW {worst.get('optimizer', 'default')} mp {worst['mixed_precision']} "
+            f"AC {worst['checkpointed']}/{worst['num_blocks']}"
             if worst
             else None
         ),
@@ -513,6 +547,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="comma-separated (default: the zoo's set)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--mixed-precision", default="no,bf16", help="comma-separated: no, bf16, auto")
+    p.add_argument(
+        "--optimizer",
+        default="default",
+        help="comma-separated step implementations: default (the device's), loop, foreach, fused",
+    )
     p.add_argument("--ac", default="off,on", help="activation checkpointing: off, on (all blocks)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: per model)")
     p.add_argument(
@@ -574,6 +613,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for strategy in args.strategies.split(","):
         if strategy not in (*STRATEGIES, "local"):
             p.error(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}, local")
+    for implementation in args.optimizer.split(","):
+        if implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            p.error(
+                f"unknown optimizer implementation {implementation!r}; choose from "
+                f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)}"
+            )
     if not set(args.ac.split(",")) <= {"off", "on"}:
         p.error("--ac takes off, on or off,on")
     return args
@@ -624,21 +669,25 @@ def main(argv: list[str] | None = None) -> int:
         return launch_each(args, argv)
     rank, world, device = common.init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
-    grid = list(
+    grid = itertools.starmap(
+        Config,
         itertools.product(
             args.models.split(","),
             args.strategies.split(","),
             args.mixed_precision.split(","),
             [a == "on" for a in args.ac.split(",")],
-        )
+            args.optimizer.split(","),
+        ),
     )
     rows = []
-    for name, strategy, mp, ac in grid:
-        row = run_config(name, strategy, mp, ac, args, device)
+    for config in grid:
+        name, strategy, _, _, implementation = config
+        row = run_config(config, args, device)
         rows.append(row)
         if row["error_message"] is None:
             say(
-                f"  {name:6s} world {world} {strategy:13s} mp {row['mixed_precision']:4s} "
+                f"  {name:6s} world {world} {strategy:13s} {implementation:7s} "
+                f"mp {row['mixed_precision']:4s} "
                 f"AC {row['checkpointed']}/{row['num_blocks']}: predicted "
                 f"{_mib(row['predicted_bytes'], row['worst_rank'])} MiB, allocator "
                 f"{_mib(row['allocator_peak_bytes'], row['worst_rank'])} MiB, error "

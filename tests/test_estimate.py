@@ -684,7 +684,8 @@ def test_uneven_profile_by_hand(
 
 def test_step_temporaries_follow_the_optimizer_implementation() -> None:
     # SGD's update is in place; a foreach Adam (the default on CUDA) holds one intermediate per
-    # parameter at once, a single-tensor Adam (the default on CPU) one parameter's worth.
+    # parameter at once; a single-tensor Adam (the default on CPU) two of one parameter (sqrt,
+    # then its division) while `denom` still holds the previous parameter's.
     from autoshard.decide.optimizer import step_temporary_bytes
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
@@ -693,7 +694,9 @@ def test_step_temporaries_follow_the_optimizer_implementation() -> None:
     assert step_temporary_bytes(sgd, "cuda") == 0
     adam = torch.optim.Adam(model.parameters())
     assert step_temporary_bytes(adam, "cuda") == sum(sizes)  # foreach by default
-    assert step_temporary_bytes(adam, "cpu") == max(sizes)  # single-tensor by default
+    # single-tensor by default: the first weight's two, then the second weight's two beside
+    # the first bias's one
+    assert step_temporary_bytes(adam, "cpu") == max(2 * sizes[0], 2 * sizes[2] + sizes[1])
     assert step_temporary_bytes(torch.optim.Adam(model.parameters(), foreach=True), "cpu") == sum(
         sizes
     )

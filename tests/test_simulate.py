@@ -361,3 +361,49 @@ def test_what_does_not_fit_needs_the_same_whatever_the_limit() -> None:
     state = 4 * sum(p.numel() * 4 for p in Classifier().parameters()) // 2  # sharded over 2
     above, below = needs(f"{state + 2**16}B"), needs(f"{state // 2}B")
     assert above == below
+
+
+# AdamW's step run three ways, as each torch optimizer takes it (`foreach`, `fused` flags)
+IMPLEMENTATIONS = {
+    "loop": {"foreach": False},
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+}
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_the_optimizer_step_s_temporaries_are_what_its_implementation_allocates(
+    implementation: str, strategy: Strategy
+) -> None:
+    """The simulated step's temporaries, written as the step's own arithmetic allocates them
+    (torch/optim/adam.py), for the parameters this rank holds (rank 0's shard under FSDP2):
+
+    - for-loop (`_single_tensor_adam`): `exp_avg_sq.sqrt()`, then its division by the bias
+      correction, both alive before `.add_(eps)`: two copies of one parameter, while the
+      variable `denom` still holds the previous parameter's until the division's result is
+      assigned to it;
+    - foreach (`_multi_tensor_adam`, CUDA's default): `_foreach_sqrt(exp_avg_sqs)` over the
+      whole (device, dtype) bucket, divided and added to in place: one copy of every parameter;
+    - fused (`_fused_adamw_`): none.
+
+    A first simulated step over DTensors counted the sharding propagation's fake tensors as
+    temporaries: foreach and fused read 3.5 and 4 copies of the unsharded parameters."""
+    torch.manual_seed(0)
+    model = MLP(width=64, depth=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **IMPLEMENTATIONS[implementation])
+    names = [f"blocks.{i}" for i in range(3)]
+    batch = torch.randn(32, 16)
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    runs, note = simulate_all(model, setup, (strategy,), stats, 2)
+    step = combine(runs)[strategy].step
+    sharded = strategy != Strategy.DDP
+    # each parameter as rank 0 holds it: ceil(rows / 2) rows of it under FSDP2
+    held = [
+        (-(-p.shape[0] // 2) * p[0].numel() if sharded else p.numel()) * p.element_size()
+        for p in model.parameters()
+    ]
+    loop = max(2 * size + previous for previous, size in zip([0, *held], held, strict=False))
+    expected = {"loop": loop, "foreach": sum(held), "fused": 0}[implementation]
+    assert step.temporaries == expected, (note, step)

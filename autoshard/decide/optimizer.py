@@ -44,6 +44,10 @@ _SCALAR_BYTES = {"SGD": 0, "NAdam": 8, "ASGD": 12}
 # SGD updates in place; the others compute intermediates (Adam's sqrt(exp_avg_sq), Adagrad's and
 # RMSprop's sqrt of their running sums).
 _IN_PLACE = {"SGD"}
+# Parameter-sized intermediates of one parameter's single-tensor step: Adam's
+# `(exp_avg_sq.sqrt() / bias_correction2_sqrt)` allocates two; Adagrad's and RMSprop's `sqrt()`
+# one, added to in place.
+_LOOP_INTERMEDIATES = {"Adam": 2, "AdamW": 2}
 # Devices where torch's optimizers default to foreach kernels (torch.utils._foreach_utils
 # `_get_foreach_kernels_supported_devices`, used by `_default_to_fused_or_foreach`).
 _FOREACH_DEVICES = {"cuda", "xpu", "mtia"}
@@ -60,11 +64,14 @@ def step_temporary_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> 
     """The most intermediate bytes the optimizer step holds at once, for unsharded parameters.
 
     A foreach step (torch's default on CUDA) materialises one intermediate per parameter of a
-    group at once; the single-tensor step (the default elsewhere, e.g. CPU) one parameter's worth
-    at a time; a fused kernel and an in-place optimizer (SGD) none.
+    group at once; the single-tensor step (the default elsewhere, e.g. CPU) one parameter's
+    intermediates at a time, while the loop's variable still holds the previous parameter's
+    last one; a fused kernel and an in-place optimizer (SGD) none.
     """
-    if _known(optimizer) in _IN_PLACE:
+    known = _known(optimizer)
+    if known in _IN_PLACE:
         return 0
+    per_param = _LOOP_INTERMEDIATES.get(known or "", 1)
     worst = 0
     for group in optimizer.param_groups:
         sizes = [p.numel() * p.element_size() for p in group["params"] if p.requires_grad]
@@ -73,7 +80,8 @@ def step_temporary_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> 
         foreach = group.get("foreach")
         if foreach is None:
             foreach = device_type in _FOREACH_DEVICES
-        worst = max(worst, sum(sizes) if foreach else max(sizes))
+        loop = max(per_param * size + last for last, size in zip([0, *sizes], sizes, strict=False))
+        worst = max(worst, sum(sizes) if foreach else loop)
     return worst
 
 
