@@ -115,18 +115,23 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
         f"out), measured = allocator peak over the measured steps; error = (estimate - "
         f"measured) / measured",
         "",
-        "| model | world | strategy | AC | params | estimate | measured | error | "
+        "| model | world | strategy | AdamW | AC | params | estimate | measured | error | "
         "reserved | usable | step (measured) | modelled (constants) | "
         "modelled (measured throughput) |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
     ]
     for r in result["rows"]:
-        lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} |"
+        # AdamW: "default" is AdamW() (foreach on CUDA), else foreach=False/True or fused=True
+        optimizer = r.get("optimizer", "default")
+        lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {optimizer} |"
         if "failed" in r:
             lines.append(f"{lead} failed: {r['failed'][:200]} |" + " |" * 9)
             continue
+        params = _count(r["params"])
+        if r.get("trainable", r["params"]) != r["params"]:
+            params += f" ({_count(r['trainable'])} trained)"
         lines.append(
-            f"{lead} {r['checkpointed']}/{r['num_blocks']} | {_count(r['params'])} | "
+            f"{lead} {r['checkpointed']}/{r['num_blocks']} | {params} | "
             f"{_bytes(r['estimate_bytes'])} | {_bytes(r['measured_bytes'])} | "
             f"{_pct(r['error'])} | {_bytes(r['reserved_bytes'])} | {_bytes(r['usable_bytes'])} | "
             f"{_seconds(r['step_s'])} | {_seconds(r['modelled_step_s'])} | "
@@ -137,14 +142,16 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
     s = result.get("summary")
     if s and s.get("configurations"):
         verdict = {True: "met", False: "NOT met", None: "not measured"}
+        # the targets the rows were held to (issue 22's: 2%, 5%, -3%), as the section wrote them
+        t = s.get("targets", {"median": 0.02, "worst": 0.05, "under": -0.03})
         lines += [
             "",
-            f"- median |error| {100 * s['median_abs_error']:.1f}% (target <= 3%: "
-            f"{verdict[s['median_ok']]})",
-            f"- worst |error| {100 * s['worst_abs_error']:.1f}% at {s['worst_at']} (target <= 8%: "
-            f"{verdict[s['worst_ok']]})",
-            f"- most negative error {_pct(s['most_negative_error'])} (target >= -3%: "
-            f"{verdict[s['underestimate_ok']]})",
+            f"- median |error| {100 * s['median_abs_error']:.1f}% (target <= "
+            f"{100 * t['median']:g}%: {verdict[s['median_ok']]})",
+            f"- worst |error| {100 * s['worst_abs_error']:.1f}% at {s['worst_at']} (target <= "
+            f"{100 * t['worst']:g}%: {verdict[s['worst_ok']]})",
+            f"- most negative error {_pct(s['most_negative_error'])} (target >= "
+            f"{100 * t['under']:g}%: {verdict[s['underestimate_ok']]})",
             f"- reserved peak within the usable memory: {verdict[s['reserved_ok']]}",
         ]
     return lines

@@ -2,10 +2,11 @@
 or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
 
 - Every strategy's estimate against `torch.cuda.max_memory_allocated`, held to the estimator's
-  targets: each within [-3%, +8%], the median |error| within 3% (a GPT-2-medium-wide decoder,
+  targets: each within [-3%, +5%], the median |error| within 2% (a GPT-2-medium-wide decoder,
   bf16; world size 1 in a one-rank NCCL group, and 8 through a fake process group on the one
   GPU: collectives free, allocations real). Measured by the suite's own code
-  (`benchmarks/_gpu_accuracy.py`), which its dry run keeps running on CPU in CI.
+  (`benchmarks/_gpu_accuracy.py`), which its dry run keeps running on CPU in CI. Each row's
+  failure names that row first (`_gpu_accuracy.failure_message`, tested on CPU).
 - Under a memory_limit the plan must checkpoint to meet, the reserved peak of training stays
   within it.
 - A real CUDA OOM under memory_limit falls back to more checkpointing and trains; the caller's
@@ -70,37 +71,25 @@ def rows() -> dict[tuple[int, str], dict]:
     return {(r["world_size"], r["strategy"]): r for r in runner.result["rows"]}
 
 
-def _table(rows: dict[tuple[int, str], dict]) -> str:
-    return "\n".join(
-        f"world {w} {s}: "
-        + (
-            r["failed"]
-            if "failed" in r
-            else f"estimate {r['estimate_bytes'] / MiB:.1f} MiB, measured "
-            f"{r['measured_bytes'] / MiB:.1f} MiB, error {r['error']:+.1%}, reserved "
-            f"{r['reserved_bytes'] / MiB:.1f} MiB ({r['estimated_by']})"
-        )
-        for (w, s), r in rows.items()
-    )
-
-
 @pytest.mark.parametrize(("world", "strategy"), CONFIGS)
 def test_each_strategy_s_estimate_is_within_the_targets_of_the_allocated_peak(
     rows: dict[tuple[int, str], dict], world: int, strategy: str
 ) -> None:
     row = rows[world, strategy]
-    assert "failed" not in row, _table(rows)
-    # the tensor terms against the allocator; the overheads (context, NCCL, margin) are apart
-    assert accuracy.UNDER_TARGET <= row["error"] <= accuracy.WORST_TARGET, _table(rows)
-    assert row["reserved_within_usable"], _table(rows)
+    # the tensor terms against the allocator; the overheads (context, NCCL, margin) are apart.
+    # The message leads with this row's own verdict, then lists every row.
+    assert accuracy.row_problems(row) == [], accuracy.failure_message(row, list(rows.values()))
+    assert row["reserved_within_usable"], accuracy.failure_message(row, list(rows.values()))
 
 
-def test_the_median_error_over_the_strategies_is_within_3_percent(
+def test_the_median_error_over_the_strategies_is_within_its_target(
     rows: dict[tuple[int, str], dict],
 ) -> None:
     errors = [abs(r["error"]) for r in rows.values() if "failed" not in r]
-    assert len(errors) == len(CONFIGS), _table(rows)
-    assert statistics.median(errors) <= accuracy.MEDIAN_TARGET, _table(rows)
+    table = "\n".join(map(accuracy.describe, rows.values()))
+    assert len(errors) == len(CONFIGS), table
+    median = statistics.median(errors)
+    assert median <= accuracy.MEDIAN_TARGET, f"median |error| {median:.1%}\n{table}"
 
 
 def test_the_reserved_peak_stays_within_the_memory_limit_the_plan_fitted_to() -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import site
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from _dist import REPO, SLOW_MACHINE
@@ -20,6 +23,7 @@ from _dist import REPO, SLOW_MACHINE
 from autoshard.decide.hardware import Throughput, hardware_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import _gpu_accuracy  # noqa: E402
 import _gpu_models  # noqa: E402
 import gpu_suite  # noqa: E402
 
@@ -27,15 +31,43 @@ import gpu_suite  # noqa: E402
 TIMEOUT_S = 90 * SLOW_MACHINE
 
 
+def plain_python(where: Path) -> tuple[str, bool]:
+    """A Python with this one's packages (torch, pytest) but, where autoshard is installed
+    editable (CI, the venv), without autoshard: a venv whose .pth names this one's
+    site-packages. A path line in a .pth adds the directory without running the .pth files in
+    it, so the editable install's import hook is never set up. Also says whether autoshard is
+    hidden there (a regular install in site-packages is not)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    python = str(where / "bin" / "python")
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(purelib, "parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    probe = subprocess.run(
+        [python, "-c", "import autoshard"], cwd=where, env=_clean_env(), capture_output=True
+    )
+    return python, probe.returncode != 0
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The dry run as a plain checkout runs it on the GPU machine: autoshard not installed, no
+    PYTHONPATH, started from another directory (the first GPU run's report step could not
+    import autoshard)."""
     out = tmp_path_factory.mktemp("gpu_suite")
+    python, hidden = plain_python(tmp_path_factory.mktemp("plain_venv"))
     completed = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(out)],
+        [python, str(REPO / "benchmarks" / "gpu_suite.py"), "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
-        env=gpu_suite._env(),
+        env=_clean_env(),
+        cwd=out,
     )
     logs = "\n".join(
         (out / name).read_text()[-4000:]
@@ -43,7 +75,9 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
         if (out / name).exists()
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr + logs
-    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    report["autoshard_hidden"] = hidden
+    return report, (out / "report.md").read_text()
 
 
 def _section(report: dict, name: str) -> dict:
@@ -56,6 +90,8 @@ def _section(report: dict, name: str) -> dict:
 def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict, str]) -> None:
     report, markdown = dry_run
     assert report["dry_run"] is True
+    # where this machine's install could be hidden, the suite ran without it
+    assert report["autoshard_hidden"] or "autoshard" not in _editable_finders()
     assert list(report["sections"]) == list(gpu_suite.ORDER)
     for name in gpu_suite.ORDER:
         _section(report, name)
@@ -78,8 +114,8 @@ def test_dry_run_measures_every_configuration_against_its_estimate(
 ) -> None:
     accuracy = _section(dry_run[0], "accuracy")
     rows = accuracy["rows"]
-    assert [(r["model"], r["world_size"], r["strategy"]) for r in rows] == [
-        c[:3] for c in _gpu_models.DRY_CONFIGS
+    assert [(r["model"], r["world_size"], r["strategy"], r["optimizer"]) for r in rows] == [
+        (c.model, c.world, c.strategy, c.optimizer) for c in _gpu_models.DRY_CONFIGS
     ]
     for row in rows:
         assert "failed" not in row, row
@@ -89,6 +125,66 @@ def test_dry_run_measures_every_configuration_against_its_estimate(
         )
         assert row["modelled_step_s"] > 0 and row["modelled_step_s_measured_throughput"] > 0
     assert accuracy["summary"]["configurations"] == len(rows)
+    assert accuracy["summary"]["targets"] == {"median": 0.02, "worst": 0.05, "under": -0.03}
+    markdown = dry_run[1]
+    assert "| model | world | strategy | AdamW | AC |" in markdown
+    assert "| lora | 1 | full_shard | foreach | " in markdown
+    assert "(target <= 2%: " in markdown and "(target <= 5%: " in markdown
+
+
+def _editable_finders() -> str:
+    """The names of this environment's editable-install import hooks."""
+    return " ".join(type(f).__name__ + repr(f) for f in sys.meta_path)
+
+
+def test_the_dry_run_covers_every_family_and_adamw_implementation() -> None:
+    dry = _gpu_models.DRY_CONFIGS
+    assert set(_gpu_models.FAMILIES) <= {c.model for c in dry}
+    assert {"for-loop", "foreach", "fused"} <= {c.optimizer for c in dry}
+    assert {c.world for c in dry} == {1, _gpu_models.FAKE_WORLD}
+    # on the GPU: each family with every implementation under FULL_SHARD at world 1 and 8, and
+    # LOCAL at world 1
+    gpu = set(_gpu_models.GPU_CONFIGS)
+    for name in _gpu_models.FAMILIES:
+        assert _gpu_models.Config(name, 1, "local", optimizer="foreach") in gpu
+        for world in (1, _gpu_models.FAKE_WORLD):
+            for optimizer in ("for-loop", "foreach", "fused"):
+                assert _gpu_models.Config(name, world, "full_shard", optimizer=optimizer) in gpu
+    assert set(_gpu_models.GPU_MODELS) == set(_gpu_models.DRY_MODELS)
+    assert sum(gpu_suite.BUDGETS[s][0] for s in gpu_suite.ORDER) <= gpu_suite.TOTAL_BUDGET_S < 600
+
+
+def _row(strategy: str, error: float) -> dict:
+    return {
+        "model": "gpt_mid",
+        "world_size": 1,
+        "strategy": strategy,
+        "optimizer": "default",
+        "estimate_bytes": int((1 + error) * 2**30),
+        "measured_bytes": 2**30,
+        "error": error,
+        "reserved_bytes": 2**31,
+        "reserved_within_usable": True,
+        "estimated_by": "estimates from simulated steps",
+    }
+
+
+def test_a_failing_row_s_message_leads_with_that_row_not_the_first() -> None:
+    # the first GPU run: every failed row of test_gpu.py showed the first row's figures
+    rows = [_row("local", -0.015), _row("ddp", 0.09), _row("full_shard", -0.04)]
+    rows.append({"model": "gpt_mid", "world_size": 8, "strategy": "shard_grad_op", "failed": "X"})
+    assert _gpu_accuracy.row_problems(rows[0]) == []
+    assert _gpu_accuracy.row_problems(rows[1]) == ["|error| 9.0% over 5%"]
+    assert _gpu_accuracy.row_problems(rows[2]) == ["error -4.0% underestimates by more than 3%"]
+    assert _gpu_accuracy.row_problems(rows[3]) == ["failed: X"]
+    for row, first in [
+        (rows[1], "gpt_mid world 1 ddp (default AdamW): |error| 9.0% over 5%"),
+        (rows[2], "gpt_mid world 1 full_shard (default AdamW): error -4.0% underestimates by"),
+        (rows[3], "gpt_mid world 8 shard_grad_op (default AdamW): failed: X"),
+    ]:
+        message = _gpu_accuracy.failure_message(row, rows)
+        assert message.splitlines()[0].startswith(first), message
+        assert "world 1 ddp (default AdamW): estimate 1116.2 MiB, measured 1024.0 MiB" in message
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
