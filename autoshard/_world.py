@@ -194,3 +194,5 @@ class RankReport:
     error: str | None
     measured: Any
     buffers: dict[str, str] = field(default_factory=dict)  # name -> digest of its values
+    # the cuBLAS workspaces a step allocates on this rank (`measure.cublas`); None off CUDA
+    cublas: Any = None

@@ -30,6 +30,7 @@ from autoshard.decide.consistent import (
     warn_if_buffers_differ,
 )
 from autoshard.decide.job import Decision, Ranks, Work
+from autoshard.decide.plan import PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
     check_batch_device,
@@ -38,6 +39,7 @@ from autoshard.decide.validate import (
     check_request,
 )
 from autoshard.io.data import check_dataloader
+from autoshard.measure.cublas import CublasWorkspaces, cublas_workspaces
 from autoshard.measure.facts import (
     blocks_reason,
     forced_checkpointing,
@@ -158,6 +160,7 @@ def gather(call: Call, target: Target) -> _Gathered:
         None,
         measured,
         buffer_digests(model) if in_job else {},
+        cublas_workspaces(target.device, mp.dtype),  # after the free memory was read
     )
     work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
     reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]
@@ -185,7 +188,7 @@ def _decide(
         gathered.mixed_precision,
         [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
     )
-    inputs = replace(inputs, host_usable_bytes=usable_host_memory(reports))
+    inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
     strategies = strategies_for(
         target.world_size, target.distributed, num_nodes, target.device.type
     )
@@ -207,6 +210,16 @@ def _decide(
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
     return Decision(plan, first, tuple(rungs), tuple(names), bool(unused), num_nodes)
+
+
+def with_cublas(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
+    """`inputs` with the most cuBLAS workspace any rank's step allocates, and its note."""
+    known: list[CublasWorkspaces] = [r.cublas for r in reports if r.cublas is not None]
+    if not known:
+        return inputs
+    most = max(known, key=lambda w: w.nbytes)
+    setting = replace(inputs.setting, library_workspace_bytes=most.nbytes)
+    return replace(inputs, setting=setting, reasons=(*inputs.reasons, most.note))
 
 
 def progress(target: Target, message: str) -> None:

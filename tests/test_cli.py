@@ -99,6 +99,7 @@ FOOTPRINT_KEYS = {
     "comm_buffers",
     "temporaries",
     "overheads",
+    "workspace",
 }
 
 

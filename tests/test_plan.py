@@ -472,6 +472,7 @@ HEADER = [
     "activ",
     "comm",
     "temp",
+    "wksp",
     "other",
     "peak",
     "step",
@@ -498,12 +499,13 @@ def test_str_plan_renders_a_table_of_every_candidate() -> None:
         assert len(cells) == len(HEADER)
         assert cells[0] == str(c.strategy)
         assert cells[1] == f"{c.activation_checkpointing}/{BLOCKS}"
-        assert cells[9] == f"{c.estimated_peak_bytes / GiB:.2f}"
+        assert cells[8] == f"{c.footprint.workspace / GiB:.2f}"
+        assert cells[10] == f"{c.estimated_peak_bytes / GiB:.2f}"
         # no activation alive at the peak (the optimizer step's): "-", not a misleading 0.00
         activ = "-" if c.footprint.activations == 0 else f"{c.footprint.activations / GiB:.2f}"
         assert cells[5] == activ
-        assert cells[10].endswith("ms")
-        assert cells[11] == ("yes" if c.fits else "no")
+        assert cells[11].endswith("ms")
+        assert cells[12] == ("yes" if c.fits else "no")
         is_chosen = c == chosen_of(plan)
         assert row.startswith("* ") == is_chosen
     assert any(c.fits for c in plan.candidates) and not all(c.fits for c in plan.candidates)
@@ -512,7 +514,14 @@ def test_str_plan_renders_a_table_of_every_candidate() -> None:
     reasons = tail[len(legend) :]
     # the columns explained under the table, so that it reads without the README
     assert legend[0].startswith("GiB per rank at each candidate's estimated peak")  # > 1 GiB here
-    for term in ("activ:", "comm:", "temp:", "other:", "'-': the peak is the optimizer step"):
+    for term in (
+        "activ:",
+        "comm:",
+        "temp:",
+        "wksp:",
+        "other:",
+        "'-': the peak is the optimizer step",
+    ):
         assert term in " ".join(legend)
     assert " ".join(" ".join(reasons).split()) == " ".join(f"- {r}" for r in plan.reasons)
     assert len([line for line in reasons if line.startswith("- ")]) == len(plan.reasons)

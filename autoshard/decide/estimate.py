@@ -119,6 +119,9 @@ class Footprint:
     comm_buffers: int
     temporaries: int
     overheads: int
+    # cuBLAS/cuBLASLt workspaces the step's matmuls allocate and keep (`measure.cublas`): an
+    # allocation no tensor shows, in the allocator's figures like one
+    workspace: int = 0
 
     @property
     def peak(self) -> int:
@@ -172,6 +175,8 @@ class Setting:
     cuda_context_pending: bool
     shard_degree: int | None = None  # ranks a parameter is sharded over; None: world_size
     accumulation_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    # cuBLAS/cuBLASLt workspaces a step allocates per rank (`measure.cublas`; 0 off CUDA)
+    library_workspace_bytes: int = 0
 
 
 def estimate(
@@ -243,7 +248,7 @@ def from_simulation(
         phase.comm_buffers,
         phase.temporaries,
     )
-    return Footprint(*terms, overhead_bytes(sum(terms), s))
+    return Footprint(*terms, overhead_bytes(sum(terms), s), library_workspace(s))
 
 
 def _sum(phase: Phase) -> int:
@@ -292,7 +297,13 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         backward = (0, 0, 0, *backward[3:])
         step = (0, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
-    return Footprint(*terms, overhead_bytes(sum(terms), s))
+    return Footprint(*terms, overhead_bytes(sum(terms), s), library_workspace(s))
+
+
+def library_workspace(s: Setting) -> int:
+    """cuBLAS's workspaces on CUDA, measured where the device is (`Setting`); none on the CPU,
+    whose kernels' scratch the simulation holds per call (`measure.workspace`)."""
+    return s.library_workspace_bytes if s.device_type == "cuda" else 0
 
 
 def overhead_bytes(tensor_bytes: int, s: Setting) -> int:

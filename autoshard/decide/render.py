@@ -22,6 +22,7 @@ _HEADER = (
     "activ",
     "comm",
     "temp",
+    "wksp",
     "other",
     "peak",
     "step",
@@ -48,7 +49,8 @@ def _legend(unit: str) -> list[str]:
         f"rank holds. activ: activations saved for backward, and the batch, still alive at the "
         f"peak moment ('-': the peak is the optimizer step, after backward freed them). comm: "
         f"FSDP2's gathered parameters and gradients awaiting reduce-scatter. temp: temporaries "
-        f"(the optimizer step's, the gradient of a saved activation in backward). other: what no "
+        f"(the optimizer step's, the gradient of a saved activation in backward). wksp: cuBLAS's "
+        f"workspaces, which the step's matmuls allocate and keep. other: what no "
         f"tensor shows (CUDA context, NCCL buffers, allocator margin). peak: their sum; fits: "
         f"peak plus what is kept free beside it (below) within the usable memory. step: modelled "
         f"step time, for ranking only."
@@ -73,6 +75,7 @@ def render(plan: Plan) -> str:
             f.activations,
             f.comm_buffers,
             f.temporaries,
+            f.workspace,
             f.overheads,
             f.peak,
         )
