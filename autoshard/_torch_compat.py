@@ -117,6 +117,23 @@ SYMBOLS: dict[str, Symbol] = {
     "_BatchNorm": Symbol(
         "torch.nn.modules.batchnorm:_BatchNorm", "keeping batch norm in fp32 under FSDP2"
     ),
+    # Not in torch.utils.flop_counter's __all__. Graceful where absent: torch's formulas count
+    # unguarded (a formula that raises then fails the trace, as before issue 22).
+    "flop_registry": Symbol(
+        "torch.utils.flop_counter:flop_registry", "FLOP formulas that cannot abort the trace"
+    ),
+    # Graceful where absent: that kernel's FLOPs have only torch's formula (else count 0).
+    **{
+        name: Symbol(f"torch:ops.aten.{name}", "FLOPs of grouped-query attention (torch 2.11)")
+        for name in (
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_cudnn_attention_backward",
+        )
+    },
 }
 
 # The fake-tensor module's logger, silenced during autoshard's own fake runs (measure.quiet).
@@ -290,22 +307,42 @@ def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterat
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
-def clear_cublas_workspaces() -> bool:
-    """Free every cuBLAS/cuBLASLt workspace this process holds (torch builds them again at the
-    next matmul); False where this torch has no such call (a CPU build)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None:
-        return False
-    clear()
-    return True
-
-
 def op_overload(name: str) -> Any:
     """The default overload of operator `SYMBOLS[name]`, or None on a torch without it."""
     try:
         return resolve(name).default
     except MissingTorchSymbol:
         return None
+
+
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """torch's FLOP formula of each operator (packet) `FlopCounterMode` counts; {} without it."""
+    try:
+        return dict(resolve("flop_registry"))
+    except MissingTorchSymbol:
+        return {}
+
+
+def raw_flop_formula(formula: Callable[..., int]) -> Callable[..., int]:
+    """`formula` marked (`_get_raw`) to be called as torch's registry entries are, with the
+    operator's own arguments and `out_val`, when given to `FlopCounterMode(custom_mapping=...)`:
+    unmarked, the counter would pass shapes instead."""
+    formula._get_raw = True  # type: ignore[attr-defined]
+    return formula
+
+
+def sdpa_flop_ops() -> dict[Any, bool]:
+    """The fused attention operators (packets) whose FLOPs torch 2.11 cannot count under
+    grouped-query attention, each with whether it is a backward; those this torch lacks left out.
+    """
+    ops = {}
+    for name in SYMBOLS:
+        if name.startswith("_scaled_dot_product_"):
+            try:
+                ops[resolve(name)] = name.endswith("_backward")
+            except MissingTorchSymbol:
+                continue
+    return ops
 
 
 def grouped_mm() -> Any:

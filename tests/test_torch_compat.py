@@ -104,6 +104,27 @@ def test_graceful_without_onednn_and_without_grouped_mm(monkeypatch: pytest.Monk
         assert compat.resolve("op_implementations_checks") == checks
 
 
+def test_flop_formulas_a_raw_one_gets_the_operators_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils import flop_counter
+
+    assert torch.ops.aten.mm in compat.flop_formulas()
+    assert sorted(compat.sdpa_flop_ops().values()) == [False] * 3 + [True] * 3
+    seen: list[type] = []
+
+    def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        seen.append(type(args[0]))
+        return 7
+
+    raw = {torch.ops.aten.mm: compat.raw_flop_formula(formula)}
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=raw) as counter:
+        torch.mm(torch.ones(2, 3), torch.ones(3, 4))
+    assert seen == [torch.Tensor] and counter.get_total_flops() == 7  # not shapes: tensors
+    monkeypatch.delattr(flop_counter, "flop_registry")
+    assert compat.flop_formulas() == {}  # graceful: torch's formulas then count unguarded
+
+
 # ---------------------------------------------------------------------------------------------
 # Private fields of torch objects (not importable names): present on this torch
 

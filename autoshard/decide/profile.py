@@ -28,6 +28,10 @@ class ActivationProfile:
         answers: for a step measured on real tensors, the yes/no values it read back from its
             tensors, by the place in the code that read them (`measure.answers`): the
             simulation answers them alike.
+        flops_by_own_formula: operators whose forward FLOPs autoshard's own formula counted
+            because torch's raised on them (grouped-query attention on torch 2.11).
+        flops_uncounted: operators whose forward FLOPs no formula could count: counted as 0,
+            so the modelled step time leaves them out.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -40,6 +44,8 @@ class ActivationProfile:
     compute_dtype: torch.dtype
     unused_parameters: tuple[str, ...] = ()
     answers: tuple[tuple[str, bool], ...] = ()
+    flops_by_own_formula: tuple[str, ...] = ()
+    flops_uncounted: tuple[str, ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:

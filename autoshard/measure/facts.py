@@ -119,8 +119,26 @@ def measure(
         profile,
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
         f"saved for backward over the whole forward (the table's activ is what is still alive "
-        f"at each candidate's peak moment, less what checkpointing frees)",
+        f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}",
     )
+
+
+def _flops_note(profile: ActivationProfile) -> str:
+    """What the traced FLOPs could not count as torch does, to append to the trace's note."""
+    note = ""
+    if profile.flops_by_own_formula:
+        note += (
+            f"; FLOPs of {', '.join(profile.flops_by_own_formula)} counted by autoshard's own "
+            f"formula: this torch {torch.__version__}'s raised on them (grouped-query attention "
+            f"before torch 2.12)"
+        )
+    if profile.flops_uncounted:
+        note += (
+            f"; warning: no FLOP count for {', '.join(profile.flops_uncounted)} (this torch's "
+            f"formula raised and autoshard has none): counted as 0, so the modelled step time "
+            f"leaves them out"
+        )
+    return note
 
 
 def _profile(
@@ -191,7 +209,8 @@ def _measured_for_real(
             return Measured(
                 profile,
                 f"{failed}; its activations were {how} "
-                f"({human(profile.activation_bytes(0))} saved for backward){answered}",
+                f"({human(profile.activation_bytes(0))} saved for backward){answered}"
+                f"{_flops_note(profile)}",
             )
     note = f"warning: {failed}; activations not estimated: the estimate leaves them out"
     if not dist.is_initialized() or dist.get_rank() == 0:

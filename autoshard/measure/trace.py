@@ -9,13 +9,15 @@ What is measured:
   hooks, storages deduplicated), and each block's input bytes: with these the activation memory of
   any number of checkpointed blocks is derived without tracing again;
 - forward FLOPs per block (`FlopCounterMode`), the compute term of the cost model and the price of
-  recomputing a checkpointed block.
+  recomputing a checkpointed block. No FLOP formula can abort the trace (`_FlopFormulas`): the
+  activations matter more than the count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +25,14 @@ import torch
 from torch import nn
 
 from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
-from autoshard._torch_compat import fake_mode, storage_key, tree_map
+from autoshard._torch_compat import (
+    fake_mode,
+    flop_formulas,
+    raw_flop_formula,
+    sdpa_flop_ops,
+    storage_key,
+    tree_map,
+)
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
 from autoshard.measure.fake import wider_fake_kernels
@@ -106,7 +115,8 @@ def profile_step(
     }
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
-    counter = FlopCounterMode(display=False)
+    formulas = _FlopFormulas()
+    counter = FlopCounterMode(display=False, custom_mapping=formulas.mapping())
     handles = _attribution_hooks(blocks, attribution, counter, block_flops)
     device_type = _device_type(model)
     autocast = (
@@ -127,6 +137,8 @@ def profile_step(
                 output = torch.func.functional_call(model, state, args, kwargs)
             loss = compute_loss(output, fake_batch, loss_fn)
             forward_flops = counter.get_total_flops()
+            # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
+            by_own, uncounted = sorted(formulas.by_own), sorted(formulas.uncounted)
             loss.backward()
     finally:
         for handle in handles:
@@ -147,6 +159,8 @@ def profile_step(
             if param.requires_grad and state[name].grad is None
         ),
         answers=tuple(recorder.answers().items()),
+        flops_by_own_formula=tuple(by_own),
+        flops_uncounted=tuple(uncounted),
     )
 
 
@@ -189,8 +203,99 @@ def profile_scaled(
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
+        flops_by_own_formula=tuple(sorted({*one.flops_by_own_formula, *two.flops_by_own_formula})),
+        flops_uncounted=tuple(sorted({*one.flops_uncounted, *two.flops_uncounted})),
     )
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
+
+
+class _FlopFormulas:
+    """torch's FLOP formulas, made unable to abort the trace (issue 22). Where torch's formula
+    for an operator raises (torch 2.11 on grouped-query attention: "sdpa_flop_count:
+    query/key/value shapes are incompatible", fixed in 2.12), autoshard's own formula for that
+    operator counts it; where autoshard has none, it counts 0 and is named in `uncounted`."""
+
+    def __init__(self) -> None:
+        self.sdpa = sdpa_flop_ops()  # operator -> is a backward
+        self.by_own: set[str] = set()
+        self.uncounted: set[str] = set()
+
+    def mapping(self) -> dict[Any, Callable[..., int]]:
+        """`FlopCounterMode`'s custom_mapping: every operator torch counts, guarded."""
+        return {op: self._guarded(op, formula) for op, formula in flop_formulas().items()}
+
+    def _guarded(self, op: Any, formula: Callable[..., int]) -> Callable[..., int]:
+        def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            try:
+                return formula(*args, out_val=out_val, **kwargs)
+            except Exception:  # noqa: BLE001 - a formula's failure costs its count, not the trace
+                return self._fallback(op, args)
+
+        return raw_flop_formula(count)
+
+    def _fallback(self, op: Any, args: tuple[Any, ...]) -> int:
+        backward = self.sdpa.get(op)
+        flops = None if backward is None else _own_sdpa_flops(args, backward)
+        if flops is None:
+            self.uncounted.add(str(op))
+            return 0
+        self.by_own.add(str(op))
+        return flops
+
+
+def _own_sdpa_flops(args: tuple[Any, ...], backward: bool) -> int | None:
+    """autoshard's count for a fused attention operator's arguments ((grad_out,) query, key,
+    value first), None where they are not the dense 4-d tensors it knows (nested ones)."""
+    try:
+        shapes = [tuple(t.shape) for t in args[: 4 if backward else 3]]
+        return sdpa_backward_flops(*shapes) if backward else sdpa_flops(*shapes)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def sdpa_flops(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
+    """Forward FLOPs of fused attention on (batch, heads, length, dim) shapes, as torch >= 2.12
+    counts them (`torch.utils.flop_counter.sdpa_flop_count`): scores = q @ k^T, then
+    out = scores @ v, 2 FLOPs per multiply-add, key/value heads broadcast to the query's
+    (grouped-query attention); a causal mask is not discounted."""
+    batch, heads, q_len, dim = _attention_shape(query, key, value)
+    k_len, v_dim = key[2], value[3]
+    return 2 * batch * heads * q_len * k_len * (dim + v_dim)
+
+
+def sdpa_backward_flops(
+    grad_out: tuple[int, ...],
+    query: tuple[int, ...],
+    key: tuple[int, ...],
+    value: tuple[int, ...],
+) -> int:
+    """Backward FLOPs of fused attention, as torch >= 2.12 counts them
+    (`sdpa_backward_flop_count`): scores recomputed (q @ k^T), grad_scores = grad_out @ v^T,
+    grad_v = scores^T @ grad_out, grad_q = grad_scores @ k, grad_k = q^T @ grad_scores; with
+    key/value heads broadcast to the query's."""
+    batch, heads, q_len, dim = _attention_shape(query, key, value)
+    k_len, v_dim = key[2], value[3]
+    if tuple(grad_out) != (batch, heads, q_len, v_dim):
+        raise ValueError(f"attention grad_out {grad_out} is not the output's shape")
+    return 2 * batch * heads * q_len * k_len * (3 * dim + 2 * v_dim)
+
+
+def _attention_shape(
+    query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]
+) -> tuple[int, int, int, int]:
+    """The query's (batch, heads, length, dim), once key and value fit it: same batch, key/value
+    heads dividing the query's, key and value of one length, query and key of one dim."""
+    batch, heads, q_len, dim = query
+    fits = (
+        key[0] == value[0] == batch
+        and key[1] == value[1]
+        and heads % key[1] == 0
+        and key[2] == value[2]
+        and key[3] == dim
+    )
+    if not fits:
+        raise ValueError(f"attention shapes q={query}, k={key}, v={value} do not fit")
+    return batch, heads, q_len, dim
 
 
 def _rows(batch: Any) -> int | None:
