@@ -307,6 +307,16 @@ def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterat
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
+def clear_cublas_workspaces() -> bool:
+    """Free every cuBLAS/cuBLASLt workspace this process holds (torch builds them again at the
+    next matmul); False where this torch has no such call (a CPU build)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
 def op_overload(name: str) -> Any:
     """The default overload of operator `SYMBOLS[name]`, or None on a torch without it."""
     try:
