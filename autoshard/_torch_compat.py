@@ -134,6 +134,11 @@ SYMBOLS: dict[str, Symbol] = {
             "_scaled_dot_product_cudnn_attention_backward",
         )
     },
+    # Graceful where absent: nothing is patched (the simulation then counts what it makes).
+    "ShardingPropagator": Symbol(
+        "torch.distributed.tensor._sharding_prop:ShardingPropagator",
+        "DTensor's shape propagation kept out of the simulated step's memory",
+    ),
 }
 
 # The fake-tensor module's logger, silenced during autoshard's own fake runs (measure.quiet).
@@ -305,6 +310,38 @@ def storage_resize_hook(after: Callable[[torch.UntypedStorage], None]) -> Iterat
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def sharding_propagation_untracked() -> Iterator[None]:
+    """DTensor's shape propagation run with no dispatch mode active, for the duration.
+
+    The first time DTensor meets an operator and argument list (the optimizer step's, on FSDP2's
+    sharded parameters) it runs the operator on fake tensors of the *global* shapes to learn its
+    output's (`ShardingPropagator._propagate_tensor_meta_non_cached`), under the fake mode it
+    finds active: inside the simulation that is the simulation's own, under the memory tracker,
+    which counted those tensors as the step's (AdamW's foreach step over a FULL_SHARD model read
+    4 unsharded copies of the parameters; torch 2.11 propagates again at every step). With no
+    mode active it makes a fake mode of its own, which nothing tracks."""
+    try:
+        propagator = resolve("ShardingPropagator")
+    except MissingTorchSymbol:
+        yield
+        return
+    original = propagator.__dict__.get("_propagate_tensor_meta_non_cached")
+    if original is None:
+        yield
+        return
+
+    def untracked(self: Any, op_schema: Any) -> Any:
+        with disable_current_modes():
+            return original(self, op_schema)
+
+    propagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        propagator._propagate_tensor_meta_non_cached = original
 
 
 def clear_cublas_workspaces() -> bool:

@@ -37,6 +37,7 @@ from _gpu_models import Config, build, configs, models_for
 
 import autoshard
 import autoshard.pipeline as pipeline_module
+from autoshard._torch_compat import clear_cublas_workspaces
 from autoshard._world import World
 from autoshard.decide.blocks import find_blocks
 from autoshard.decide.cost import step_seconds
@@ -60,6 +61,10 @@ class Meter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        if self.cuda:
+            # from no cuBLAS workspace, as a new process starts: what this configuration's
+            # training allocates includes them (the estimate's wksp term)
+            clear_cublas_workspaces()
         self.allocated_before = torch.cuda.memory_allocated(device) if self.cuda else 0
         self.reserved_before = torch.cuda.memory_reserved(device) if self.cuda else 0
         # bytes the tensors asked for, before the allocator's rounding (diagnostics for the row)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import LossFn
-from autoshard._torch_compat import fake_mode, tree_map
+from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
 from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
@@ -159,30 +159,6 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
     )
 
 
-def _warm_up(
-    model: nn.Module,
-    setup: Setup,
-    sharded: list[Strategy],
-    mesh: Any,
-) -> None:
-    """One throwaway step of the first sharded strategy, before any is measured.
-
-    The first optimizer step on DTensors over a mesh propagates each op's sharding and caches
-    the result; under the memory tracker the fake tensors that propagation makes count as the
-    step's temporaries, in whichever run comes first. Without this, a strategy's estimate
-    depended on what this process had simulated before it: FULL_SHARD of a 4-block classifier
-    was 2.52 MiB after SHARD_GRAD_OP (one process) and 2.93 MiB as a rank's first sharded run
-    (inside a job, where the runs are shared out); measured: 2.58 MiB."""
-    if not sharded:
-        return
-    # one block runs the same ops on the same shapes as any number of alike ones
-    depth = 1 if _alike(model, setup.block_names) else len(setup.block_names)
-    try:
-        _run(model, setup, sharded[0], mesh, depth)
-    except Exception:  # noqa: BLE001 - the measured run reports it
-        logger.debug("warm-up run of %s failed", sharded[0], exc_info=True)
-
-
 def _run(
     model: nn.Module,
     setup: Setup,
@@ -192,7 +168,7 @@ def _run(
 ) -> tuple[Phase, Phase]:
     mode = fake_mode()
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
-    with wider_fake_kernels(dict(setup.answers)), mode:
+    with wider_fake_kernels(dict(setup.answers)), sharding_propagation_untracked(), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy)
 
 
@@ -270,12 +246,6 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        _warm_up(
-            model,
-            setup,
-            [s for s, all_blocks in mine if recipe(s).sharded and not all_blocks],
-            mesh,
-        )
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""

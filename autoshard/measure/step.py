@@ -82,22 +82,15 @@ def tracked_step(
         # The step's peak: what is alive as it starts (parameters, gradients, state), plus the
         # most its intermediates add. Taken as a difference of totals, not from the tracker's
         # breakdown at its peak, which files optimizer state under other names mid-step.
-        # The intermediates are a second step's: the first creates the state and, on DTensor
-        # parameters, propagates each operator's sharding once per distinct argument list,
-        # on fake tensors the tracker counts (a foreach or fused AdamW's first step over a
-        # FULL_SHARD model showed 3.5-4 whole unsharded parameter copies that no real step
-        # allocates; its second step's match a real step's exactly).
         before = _phase(tracker, "current")
-        optimizer.step()
-        settled = _phase(tracker, "current")
-        created = 0 if stepped else settled.optimizer_state - before.optimizer_state
         tracker_reset_peak(tracker)
         optimizer.step()
-        added = max(0, total(tracker, "peak") - total(settled))
+        added = max(0, total(tracker, "peak") - total(before))
+        created = 0 if stepped else _phase(tracker, "current").optimizer_state
         step = replace(
             before,
             optimizer_state=before.optimizer_state + created,
-            temporaries=before.temporaries + added,
+            temporaries=before.temporaries + added - created,
         )
         optimizer.zero_grad(set_to_none=not in_place)
     return with_state(backward, created), step
