@@ -6,8 +6,9 @@ Each entry of `SYMBOLS` is a "module:attribute.path" with what autoshard uses it
 where autoshard already does without it (no pluggable FSDP2 comms, no tracker peak fields, no
 oneDNN, no `_grouped_mm`): there the graceful path stays, and is decided here.
 
-Checked: torch 2.13.0 (this repository's CPU environment). The GPU suite's "compat" section
-(`benchmarks/_gpu_compat.py`) probes the same names on the GPU machine's torch 2.11.
+Checked: torch 2.13.0 (this repository's CPU environment), 2.11.0 and 2.15.0 (CI runs the suite
+on each, .ci/run), 2.12.1 for the FSDP2 reset (`fsdp_reset_iter_state`). The GPU suite's
+"compat" section (`benchmarks/_gpu_compat.py`) probes the same names on the GPU machine's 2.11.
 
 The only changes to torch's own state are the context managers at the end
 (`storage_resize_hook`, `fake_kernel`, `fsdp_comms_wrapped`): each undoes its change on every path
@@ -139,6 +140,11 @@ SYMBOLS: dict[str, Symbol] = {
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
         "DTensor's shape propagation kept out of the simulated step's memory",
     ),
+    # Graceful where absent: an OOM in the trial step under FSDP2 is then an error.
+    "TrainingState": Symbol(
+        "torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState",
+        "recovering FSDP2 after an aborted trial step (torch before 2.13)",
+    ),
 }
 
 # The fake-tensor module's logger, silenced during autoshard's own fake runs (measure.quiet).
@@ -257,7 +263,10 @@ def keep_children(parent: torch.nn.Module, count: int) -> None:
 
 def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     """An FSDP2 unit's param groups (`_fsdp_param_groups`; older FSDP2: one `_fsdp_param_group`)."""
-    state = module._get_fsdp_state()  # type: ignore[operator]
+    return _state_groups(module._get_fsdp_state())  # type: ignore[operator]
+
+
+def _state_groups(state: Any) -> list[Any]:
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [getattr(state, "_fsdp_param_group", None)]
@@ -288,6 +297,123 @@ def fsdp_comms_wrapped(groups: list[Any], wrap: Callable[[Any], Any]) -> Iterato
         for group, all_gather, reduce_scatter in originals:
             group._all_gather_comm = all_gather
             group._reduce_scatter_comm = reduce_scatter
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 after an exception aborted forward or backward (wrap.trial)
+
+# What torch 2.13's `FSDPState._reset_iter_state` resets, as torch 2.11 and 2.12 name it.
+_STATE_FIELDS = ("_comm_ctx", "_state_ctx", "_device_handle", "_modules_to_run_forward")
+_GROUP_FIELDS = (
+    "_all_gather_result",
+    "_post_reduce_event",
+    "_all_reduce_state",
+    "_reshard_after_forward_event",
+    "_wait_all_gather_streams_on_event",
+    "_partial_reduce_output",
+    "_post_forward_indices",
+    "_training_state",
+    "_to_sharded",
+)
+
+
+def fsdp_reset_iter_state(root: torch.nn.Module) -> bool:
+    """FSDP2's per-iteration state put back to idle and sharded after an exception aborted
+    forward or backward, the failed iteration's gradients dropped: `reset_iter_state` (torch
+    2.13 on), else the same steps on the private fields of torch 2.11 and 2.12. False, changing
+    nothing, where this torch has neither."""
+    public = getattr(root, "reset_iter_state", None)
+    if public is not None:
+        public()
+    elif not reset_iter_state_by_fields(root):
+        return False
+    _drop_unsharded_grads(root._get_fsdp_state())  # type: ignore[operator]
+    return True
+
+
+def reset_iter_state_by_fields(root: torch.nn.Module) -> bool:
+    """torch 2.13's `FSDPState._reset_iter_state`, step by step, on the fields of earlier FSDP2;
+    False, changing nothing, where one is missing."""
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    if state._is_root is None:  # never ran forward (no lazy init): nothing to reset
+        return True
+    states = state._state_ctx.all_states
+    groups = [g for each in states for g in _state_groups(each)]
+    fields = [(s, _STATE_FIELDS) for s in states] + [(g, _GROUP_FIELDS) for g in groups]
+    if missing("TrainingState") or not all(hasattr(o, f) for o, names in fields for f in names):
+        return False
+    idle = resolve("TrainingState").IDLE
+    _reset_comm_ctx(state._comm_ctx, state._device_handle.current_stream())
+    for each in states:
+        each._modules_to_run_forward.clear()
+        each._training_state = idle
+    for group in groups:
+        _reset_group(group, idle)
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+    return True
+
+
+def _wait(stream: Any, event: Any) -> None:
+    if event is not None:
+        stream.wait_event(event)
+
+
+def _reset_comm_ctx(ctx: Any, stream: Any) -> None:
+    """In-flight collectives waited for and forgotten (2.11 keeps one `reduce_scatter_state`,
+    2.12 a list `reduce_scatter_states`, 2.13 also `_last_post_reduce_events`)."""
+    if (gathered := ctx.all_gather_state) is not None:
+        _wait(stream, gathered.event)
+    ctx.all_gather_state = None
+    scatters = [*getattr(ctx, "reduce_scatter_states", ())]
+    scatters.append(getattr(ctx, "reduce_scatter_state", None))
+    for reduce_scatter in filter(None, scatters):
+        _wait(stream, reduce_scatter.event)
+    if hasattr(ctx, "reduce_scatter_states"):
+        ctx.reduce_scatter_states.clear()
+    if hasattr(ctx, "reduce_scatter_state"):
+        ctx.reduce_scatter_state = None
+    for event in getattr(ctx, "_last_post_reduce_events", {}).values():
+        _wait(stream, event)
+    if hasattr(ctx, "_last_post_reduce_events"):
+        ctx._last_post_reduce_events.clear()
+    ctx.post_forward_order.clear()
+
+
+def _reset_group(group: Any, idle: Any) -> None:
+    """torch 2.13's `FSDPParamGroup._reset_iter_state`."""
+    stream = group.device_handle.current_stream()
+    if (gathered := group._all_gather_result) is not None:
+        _wait(stream, gathered.all_gather_event)
+        if isinstance(gathered.all_gather_work, torch.distributed.Work):
+            gathered.all_gather_work.wait()
+        group._all_gather_result = None
+    _wait(stream, group._post_reduce_event)
+    group._post_reduce_event = None
+    if group._all_reduce_state is not None:
+        _wait(stream, group._all_reduce_state.event)
+    group._all_reduce_state = None
+    if group._reshard_after_forward_event is not None:
+        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = idle
+    group._to_sharded()
+
+
+def _drop_unsharded_grads(state: Any) -> None:
+    """Gradients an aborted backward left on unsharded parameters whose group's post-backward
+    never ran: the next backward would add to them. torch 2.15's reset_iter_state drops them
+    itself; 2.13's keeps them (tests/test_torch_compat.py)."""
+    for each in state._state_ctx.all_states:
+        for group in _state_groups(each):
+            for param in group.fsdp_params:
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                if "unsharded_accumulated_grad" in vars(param):  # a property from torch 2.15
+                    param.unsharded_accumulated_grad = None
 
 
 # ---------------------------------------------------------------------------------------------

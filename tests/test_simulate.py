@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _torch_release import ZERO2_PEAK_HOLDS_AN_EXTRA_UNIT
 from torch import nn
 
 import autoshard
@@ -142,16 +143,20 @@ def test_gathered_buffers_follow_fsdp2s_schedule(simulated: tuple) -> None:
     root = total - len(names) * block
     # padding to a multiple of n rows per parameter: at most n - 1 rows of each
     slack = sum((n - 1) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
-    # ZeRO-2 keeps every unit gathered from forward to backward, plus one block's unsharded
-    # gradient waiting for its reduce-scatter.
+    # ZeRO-2 keeps every unit gathered from forward to backward, plus, up to torch 2.14, one
+    # block more (a second all-gather output at the end of forward, or a block's unsharded
+    # gradient waiting for its reduce-scatter); torch 2.15's FSDP2 holds no such block at its
+    # peak (tests/_torch_release.py).
+    extra = block if ZERO2_PEAK_HOLDS_AN_EXTRA_UNIT else 0
     zero2 = sims[Strategy.SHARD_GRAD_OP].backward.comm_buffers
-    assert total + block <= zero2 <= total + block + slack
+    assert total + extra <= zero2 <= total + block + slack
     # ZeRO-3 at its backward peak: the root (never resharded after forward), the block in
     # backward and the next one prefetched, and at most one block's gradient being
     # reduce-scattered (none yet when the peak comes at the head, before the first block).
     zero3 = sims[Strategy.FULL_SHARD].backward.comm_buffers
     assert root + 2 * block <= zero3 <= root + 3 * block + slack
-    assert zero3 < zero2
+    # equal where ZeRO-3's peak holds every unit gathered too (torch 2.15, the MLP at 2 ranks)
+    assert zero3 < zero2 if ZERO2_PEAK_HOLDS_AN_EXTRA_UNIT else zero3 <= zero2
     # On CPU gloo copies one collective's buffer at a time, of at most one unit's unsharded size
     for strategy in SHARDED:
         added = _peak(on_cpu[strategy]) - _peak(sims[strategy])

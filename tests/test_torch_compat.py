@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import importlib
 import pathlib
 import re
@@ -156,26 +157,29 @@ def test_private_fields_of_torch_objects_are_there() -> None:
 
 
 @contextlib.contextmanager
-def _one_rank_fake_group() -> Iterator[None]:
+def _one_rank_group(backend: str) -> Iterator[Any]:
+    """A process group of one rank ("fake", or "gloo" where collectives must move data) and
+    its CPU mesh."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     if dist.is_initialized():
         pytest.skip("a process group exists already")
-    dist.init_process_group("fake", rank=0, world_size=1, store=compat.fake_store())
+    store = compat.fake_store() if backend == "fake" else dist.HashStore()
+    dist.init_process_group(backend, rank=0, world_size=1, store=store)
     try:
-        yield
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp2_param_groups_have_pluggable_comms_and_the_default_group_a_store() -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    with _one_rank_fake_group():
+    with _one_rank_group("fake") as mesh:
         assert compat.default_group() is not None and compat.default_store() is not None
         module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(module, mesh=mesh)
         groups = compat.fsdp_param_groups(module)
         assert groups, "FSDP2 state has neither _fsdp_param_groups nor _fsdp_param_group"
         assert compat.has_pluggable_comms(groups)
@@ -374,3 +378,100 @@ def test_the_scan_finds_a_private_torch_name_added_to_a_module(line: str) -> Non
     plan = sources[str(pathlib.Path("autoshard", "decide", "plan.py"))]
     assert private_torch_uses(plan, own) == []
     assert private_torch_uses(f"{plan}\n{line}\n", own) != []
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 after an aborted step: reset_iter_state (torch 2.13 on) or its steps on the private
+# fields of torch 2.11 and 2.12, on one gloo rank
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _sharded(model: nn.Sequential, mesh: Any) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _step_grads(model: nn.Module, batch: torch.Tensor) -> list[torch.Tensor]:
+    params = list(model.parameters())  # the sharded ones, as an optimizer holds them
+    model(batch).square().sum().backward()
+    grads = [p.grad.full_tensor().clone() for p in params]  # type: ignore[union-attr]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _abort_once(model: nn.Sequential, where: str) -> None:
+    """One step that raises in block 1: at its forward, or inside its backward after its second
+    linear layer's gradients were accumulated (its post-backward never runs)."""
+
+    def fail(*args: Any) -> None:
+        raise _Aborted
+
+    block = model[1]
+    handle = (
+        block.register_forward_pre_hook(fail)
+        if where == "forward"
+        else block[0].register_full_backward_hook(fail)
+    )
+    params = list(model.parameters())
+    with pytest.raises(_Aborted):
+        model(torch.ones(4, 8)).square().sum().backward()
+    handle.remove()
+    for p in params:  # what the trial's optimizer.zero_grad clears: the sharded parameters only
+        p.grad = None
+
+
+@pytest.mark.parametrize("route", ["this_torch", "fields"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_fsdp2_trains_as_new_after_an_aborted_step_and_a_reset(
+    monkeypatch: pytest.MonkeyPatch, where: str, route: str
+) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    public = hasattr(FSDPModule, "reset_iter_state")
+    if route == "fields" and public:  # the route of torch 2.11 and 2.12, taken here
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3)]
+    base = nn.Sequential(*blocks)
+    batch = torch.randn(4, 8)
+    with _one_rank_group("gloo") as mesh:
+        expected = _step_grads(_sharded(copy.deepcopy(base), mesh), batch)
+        model = _sharded(copy.deepcopy(base), mesh)
+        _abort_once(model, where)
+        reset = compat.fsdp_reset_iter_state(model)
+        if not reset and route == "fields" and public:
+            pytest.skip(f"torch {torch.__version__} renamed FSDP2's fields; its own reset serves")
+        assert reset, f"torch {torch.__version__} has neither reset_iter_state nor its fields"
+        for group in compat.fsdp_param_groups(model[1]):
+            assert group.is_sharded and group._training_state.name == "IDLE"
+        got = _step_grads(model, batch)
+    # A gradient the aborted backward left on an unsharded parameter would be added (torch
+    # 2.13's reset_iter_state keeps it; fsdp_reset_iter_state drops it).
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_fsdp2_reset_changes_nothing_and_says_so_without_its_fields(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "reset_iter_state"):
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    torch.manual_seed(0)
+    with _one_rank_group("gloo") as mesh:
+        model = _sharded(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), mesh)
+        model[1].register_forward_pre_hook(_refuse)  # after FSDP2's own: block 1 is gathered
+        with pytest.raises(_Refused):
+            model(torch.ones(2, 8))
+        group = compat.fsdp_param_groups(model[1])[0]
+        monkeypatch.delattr(group, "_post_forward_indices")
+        assert compat.fsdp_reset_iter_state(model) is False
+        assert group._training_state.name == "FORWARD" and not group.is_sharded

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _torch_release import SHAPE_ERROR_PREFIX
 from torch import nn
 
 import autoshard
@@ -383,7 +384,8 @@ def test_a_batch_whose_shapes_do_not_fit_the_model_is_refused_before_wrapping(
         torch.randn(4, 7),
     )
     # the op's own error, briefly, and the batch's shapes
-    assert "(RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x7 and 8x8))" in message
+    shapes = f"{SHAPE_ERROR_PREFIX}mat1 and mat2 shapes cannot be multiplied (4x7 and 8x8)"
+    assert f"(RuntimeError: {shapes})" in message
     assert "the batch holds tensors of shapes (4, 7) float32" in message
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
     assert model.training and all(m.training for m in model.modules())

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoshard._batch import batch_to, call_model, compute_loss
+from autoshard._torch_compat import fsdp_reset_iter_state
 from autoshard._units import human
 from autoshard.collective import (
     ERROR,
@@ -194,14 +195,13 @@ def _clean_up(wrapping: Wrapping, optimizer: torch.optim.Optimizer, failed: bool
     optimizer.zero_grad(set_to_none=True)
     problem = None
     if failed and wrapping.strategy is not None and recipe(wrapping.strategy).sharded:
-        reset = getattr(wrapping.module, "reset_iter_state", None)
-        if reset is not None:
-            reset()
-        else:  # FSDP2's state after an aborted step cannot be trusted (it crashed or hung)
+        # FSDP2's state after an aborted step cannot be trusted unless reset (it crashed or hung)
+        if not fsdp_reset_iter_state(wrapping.module):
             problem = (
                 f"the trial step ran out of memory under {wrapping.strategy}, and this torch "
-                f"({torch.__version__}) has no FSDPModule.reset_iter_state to recover FSDP2 "
-                f"from it; use a torch that has it, or choose a memory_limit/strategy that fits "
+                f"({torch.__version__}) has neither FSDPModule.reset_iter_state nor the FSDP2 "
+                f"fields autoshard resets in its place (torch 2.11, 2.12) to recover FSDP2 from "
+                f"it; use torch 2.11 to 2.15, or choose a memory_limit/strategy that fits "
                 f"(plan() shows the estimates)"
             )
     if failed and wrapping.ddp is not None:
