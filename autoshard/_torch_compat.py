@@ -595,20 +595,27 @@ def tracker_frozen_safe(tracker: Any) -> Any:
 _PEAK_FIELDS = ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
 
 
-def tracker_global_peak_only(tracker: Any) -> None:
+def tracker_global_peak_only(
+    tracker: Any, observe: Callable[[dict[Any, dict[Any, int]]], None] | None = None
+) -> bool:
     """Keep only the tracker-wide peak. After every operator torch's trackers also update each
     tracked module's peak by walking every module tracked so far, which is a fifth of a
-    simulation's time on the demo model and unused by autoshard."""
+    simulation's time on the demo model and unused by autoshard. With `observe`, it is handed
+    the current bytes by device and category after every operator (not to be kept: the tracker
+    updates it in place). False where this torch's tracker lacks the fields (nothing changed)."""
     if not all(hasattr(tracker, name) for name in _PEAK_FIELDS):
-        return
+        return False
 
     def update(peak_state: Any) -> None:
         for device, snapshot in tracker._curr_mem_snap.items():
             if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
                 tracker._peak_mem[device] = snapshot["Total"]
                 tracker._peak_mem_snap[device] = dict(snapshot)
+        if observe is not None:
+            observe(tracker._curr_mem_snap)
 
     tracker._update_peak_stats = update
+    return True
 
 
 def tracker_reset_peak(tracker: Any) -> None:

@@ -48,7 +48,7 @@ from autoshard.measure.fake import (
     wider_fake_kernels,
 )
 from autoshard.measure.quiet import own_runs_quiet
-from autoshard.measure.step import total, tracked_step, with_state
+from autoshard.measure.step import INTERIOR, peak_of, total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
@@ -98,21 +98,48 @@ def simulate(
     full = len(setup.block_names)
     if depths is not None:
         d1, d2, d3 = depths
-        p1, p2, p3 = (_run(model, setup, strategy, mesh, d) for d in depths)
-        # The backward peak's moment can move with depth (early in backward with large
-        # activations, at its end with large gradients): where the third depth is off the line,
-        # the terms are not linear over this range, and the whole model is simulated instead.
-        # The step's peak is extended from the two deeper runs only: the first run of a strategy
-        # in a process has shown extra step temporaries that later runs do not (1.4 GiB on a 7B
-        # model's FULL_SHARD at 3 blocks), which would tilt the line.
-        line = _extend(p1[0], p2[0], d1, d2, d3)
-        if abs(total(line) - total(p3[0])) <= _LINEARITY_TOLERANCE * total(p3[0]):
-            return Simulated(
-                _extend(p2[0], p3[0], d2, d3, full), _extend(p2[1], p3[1], d2, d3, full), degree
-            )
+        p1, p2, p3 = (_run(model, setup, strategy, mesh, d, record=True) for d in depths)
+        # Each moment of forward and backward is extended on its own and the largest taken at
+        # the full depth: the peak's moment can move with depth (the head's backward with few
+        # blocks, the end of backward, gradients accumulated, with many). Where the third depth
+        # is off the line through the first two, the terms are not linear over this range, and
+        # the whole model is simulated instead.
+        line = _extend_moments(p1[0], p2[0], d1, d2, d3)
+        actual = peak_of(p3[0])
+        extended = _extend_moments(p2[0], p3[0], d2, d3, full)
+        if (
+            line is not None
+            and extended is not None
+            and abs(total(line) - total(actual)) <= _LINEARITY_TOLERANCE * total(actual)
+        ):
+            return Simulated(extended, _extend(p2[1], p3[1], d2, d3, full), degree)
         logger.debug("%s: terms not linear in depth; simulating all %d blocks", strategy, full)
-    backward, step = _run(model, setup, strategy, mesh, full)
-    return Simulated(backward, step, degree)
+    moments, step = _run(model, setup, strategy, mesh, full)
+    return Simulated(peak_of(moments), step, degree)
+
+
+def _extend_moments(
+    a: dict[str, list[Phase]], b: dict[str, list[Phase]], d1: int, d2: int, depth: int
+) -> Phase | None:
+    """The forward/backward peak at `depth` blocks: each moment met at both d1 and d2 extended
+    instant by instant (its k-th operator at d1 with its k-th at d2, `_extend`), the largest
+    taken. A moment's peak is the largest of lines in depth, one per instant, so extending its
+    peak alone falls short once a steeper instant overtakes it (a Llama's head: the loss's
+    temporaries with few blocks, the last block's output beside every block's cast weights with
+    many). An interior block's moment is left out, its largest sitting at an end
+    (`block_label`). None where a moment ran a different number of operators at the two
+    depths: the model is then simulated whole."""
+    common = [label for label in b if label in a and not label.endswith(INTERIOR)]
+    if any(len(a[label]) != len(b[label]) for label in common):
+        return None
+    return max(
+        (
+            _extend(x, y, d1, d2, depth)
+            for label in common
+            for x, y in zip(a[label], b[label], strict=True)
+        ),
+        key=total,
+    )
 
 
 def _extend(a: Phase, b: Phase, d1: int, d2: int, depth: int) -> Phase:
@@ -165,11 +192,13 @@ def _run(
     strategy: Strategy,
     mesh: Any,
     depth: int,
-) -> tuple[Phase, Phase]:
+    record: bool = False,
+) -> tuple[dict[str, list[Phase]], Phase]:
     mode = fake_mode()
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
+    blocks = [fake.get_submodule(name) for name in setup.block_names[:depth]]
     with wider_fake_kernels(dict(setup.answers)), sharding_propagation_untracked(), mode:
-        return tracked_step(fake, optimizer, batch, setup, strategy)
+        return tracked_step(fake, optimizer, batch, setup, strategy, blocks, record)
 
 
 def wrapped_copy(
