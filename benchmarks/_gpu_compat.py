@@ -28,6 +28,12 @@ def _attr(owner: Callable[[], Any], name: str) -> Callable[[], bool]:
     return lambda: hasattr(owner(), name)
 
 
+def _has_symbol(name: str) -> bool:
+    from autoshard._torch_compat import missing
+
+    return missing(name) is None
+
+
 def _fsdp_module() -> Any:
     from torch.distributed.fsdp import FSDPModule
 
@@ -123,10 +129,11 @@ FEATURES: list[tuple[str, str, str, Callable[[], bool]]] = [
         ),
     ),
     (
-        "FSDPModule.reset_iter_state",
-        "trial._clean_up: recovery after an OOM under FSDP2",
+        "FSDPModule.reset_iter_state (torch 2.13 on), else TrainingState for the same reset on "
+        "torch 2.11/2.12's private fields",
+        "trial._clean_up (_torch_compat.fsdp_reset_iter_state): recovery after an OOM under FSDP2",
         "an OOM under FSDP2 in the trial raises instead of falling back",
-        _attr(_fsdp_module, "reset_iter_state"),
+        lambda: _attr(_fsdp_module, "reset_iter_state")() or _has_symbol("TrainingState"),
     ),
     (
         "FSDPModule.set_reshard_after_forward",

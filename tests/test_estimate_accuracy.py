@@ -185,7 +185,7 @@ def test_every_row_has_every_figure(result: dict) -> None:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_stdout_has_the_table_and_the_summary(result: dict) -> None:
-    assert "| model | world | strategy | mp | AC | predicted MiB |" in result["stdout"]
+    assert "| model | world | strategy | optimizer | mp | AC | predicted MiB |" in result["stdout"]
     assert "median |error|" in result["stdout"] and "worst |error|" in result["stdout"]
     assert {"median_abs_error", "worst_abs_error"} <= result["summary"].keys()
 
