@@ -14,8 +14,10 @@ What is derived instead of simulated again:
 - activation checkpointing: every block checkpointed is simulated (forward and backward only)
   where it matters; k < L checkpointed blocks are derived from it and from what
   `ActivationProfile` says each block saves (`estimate.estimate`);
-- depth: a model of 16 or more alike blocks is simulated at 3, 4 and 5 blocks and every term
-  extended linearly to its full depth (terms are sums over blocks plus a constant);
+- depth: a model of 16 or more alike blocks is simulated at 3, 4 and 5 blocks and extended to its
+  full depth moment by moment (`step.Moments`: each block's forward and backward, the head's),
+  each moment's bytes after each operator extended linearly (a sum over blocks plus a
+  constant) and the largest taken: the peak's moment moves with depth;
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
   simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
