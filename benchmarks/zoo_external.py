@@ -187,6 +187,25 @@ def gpt2(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
     return GPT2LMHeadModel(_gpt2_config()), _lm_batch(n, g)
 
 
+def neox(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    """GPT-NeoX (Pythia): parallel attention and MLP residuals, rotary on a quarter of each head,
+    untied head."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=2 * SEQ,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+    )
+    return GPTNeoXForCausalLM(config), _lm_batch(n, g)
+
+
 def frozen_gpt2(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
     from transformers import GPT2LMHeadModel
 
@@ -506,6 +525,7 @@ ENTRIES: dict[str, tuple[Factory, int, Callable[[Any, Any], torch.Tensor]]] = {
     "mixtral": (mixtral, 4, model_loss),
     "qwen_moe": (qwen_moe, 4, model_loss),
     "gpt2": (gpt2, 4, model_loss),
+    "neox": (neox, 4, model_loss),
     "bert": (bert, 4, model_loss),
     "albert": (albert, 4, model_loss),
     "t5": (t5, 4, model_loss),
