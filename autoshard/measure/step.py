@@ -171,7 +171,8 @@ class Moments:
 
     @contextmanager
     def marked(self) -> Iterator[None]:
-        """Each block's output hooked for the duration: its backward starts a moment."""
+        """Each block hooked for the duration: its forward, and its backward (the gradient of
+        its output ready), each start a moment; the last block's end starts the head's."""
         depth = len(self.blocks)
         handles = [
             hook
