@@ -61,13 +61,12 @@ def rows() -> dict[tuple[int, str], dict]:
     """Each configuration measured once: two steps create the optimizer state, two are measured."""
     device = _device()
     runner = accuracy.Runner(device, MODELS, "bf16", None, deadline=float("inf"))
-    with accuracy.one_rank_group(device):
-        for world, strategy in CONFIGS:
-            if world == 1:
-                runner.one(("gpt_mid", world, strategy, False))
     for world, strategy in CONFIGS:
-        if world != 1:
-            runner.one(("gpt_mid", world, strategy, False))
+        config = ("gpt_mid", world, strategy, False)
+        if world == 1:
+            runner.in_own_group(config)
+        else:
+            runner.one(config)
     return {(r["world_size"], r["strategy"]): r for r in runner.result["rows"]}
 
 
