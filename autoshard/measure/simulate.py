@@ -198,7 +198,9 @@ def _run(
 ) -> tuple[dict[str, list[Phase]], Phase]:
     mode = fake_mode()
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
-    blocks = [fake.get_submodule(name) for name in setup.block_names[:depth]]
+    # the moments are extended only where recorded: a whole run needs its peak alone
+    names = setup.block_names[:depth] if record else []
+    blocks = [fake.get_submodule(name) for name in names]
     with wider_fake_kernels(dict(setup.answers)), sharding_propagation_untracked(), mode:
         return tracked_step(fake, optimizer, batch, setup, strategy, blocks, record)
 

@@ -159,9 +159,10 @@ class Moments:
         return {label: [phase] for label, phase in self.seen.items()}
 
     def mark(self, label: str | None) -> None:
-        """Close the current moment with the tracker's peak within it, and start `label`'s."""
+        """Close the current moment with the tracker's peak within it (unless `recording`,
+        which keeps every instant), and start `label`'s."""
         self.in_backward = self.in_backward or label == HEAD
-        if self.label is not None:
+        if self.label is not None and not self.recording:
             phase = _phase(self.tracker, "peak")
             before = self.seen.get(self.label)
             if before is None or total(phase) > total(before):
