@@ -175,7 +175,8 @@ class Setting:
     cuda_context_pending: bool
     shard_degree: int | None = None  # ranks a parameter is sharded over; None: world_size
     accumulation_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    # cuBLAS/cuBLASLt workspaces a step allocates per rank (`measure.cublas`; 0 off CUDA)
+    # cuBLAS/cuBLASLt workspaces a step allocates per rank (`measure.cublas`); 0 off CUDA,
+    # where kernels' scratch is held per call in the simulation (`measure.workspace`)
     library_workspace_bytes: int = 0
 
 
@@ -248,7 +249,7 @@ def from_simulation(
         phase.comm_buffers,
         phase.temporaries,
     )
-    return Footprint(*terms, overhead_bytes(sum(terms), s), library_workspace(s))
+    return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
 
 def _sum(phase: Phase) -> int:
@@ -297,13 +298,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         backward = (0, 0, 0, *backward[3:])
         step = (0, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
-    return Footprint(*terms, overhead_bytes(sum(terms), s), library_workspace(s))
-
-
-def library_workspace(s: Setting) -> int:
-    """cuBLAS's workspaces on CUDA, measured where the device is (`Setting`); none on the CPU,
-    whose kernels' scratch the simulation holds per call (`measure.workspace`)."""
-    return s.library_workspace_bytes if s.device_type == "cuda" else 0
+    return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
 
 def overhead_bytes(tensor_bytes: int, s: Setting) -> int:
