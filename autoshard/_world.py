@@ -73,8 +73,8 @@ def resolve(*, init: bool) -> World:
             torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
         )
         reasons.append(
-            f"one process, no process group: the model is not wrapped (only mixed precision and "
-            f"activation checkpointing apply), training on {device}"
+            f"one process, no process group, training on {device}: unwrapped, unless its state "
+            f"must be offloaded to host memory (prepare then creates a one-rank group)"
         )
         return World(0, 0, 1, 1, None, device, False, tuple(reasons))
     backend = str(dist.get_backend())
@@ -132,6 +132,39 @@ def _init_process_group() -> str:
     dist.init_process_group("gloo")
     destroy_at_exit()
     return f"launched by {launcher} with no GPU: initialised the process group (gloo, cpu)"
+
+
+def own_group(world: World, strategy: str) -> World:
+    """Give a process without a process group (plain `python`) a one-rank group of its own, for
+    a wrapper that helps one process alone (CPU offload): NCCL on a GPU, gloo on the CPU, over an
+    in-process store (no port, no rendezvous). It is destroyed at exit like the one prepare
+    initialises for torchrun (`_teardown`)."""
+    assert not dist.is_initialized() and world.world_size == 1, world
+    on_gpu = world.device.type == "cuda"
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=world.device if on_gpu else None,
+    )
+    destroy_at_exit()
+    note = (
+        f"one process without a process group: prepare created a one-rank group of its own "
+        f"({backend}, in-process store) for {strategy}; it is destroyed at exit"
+    )
+    return replace(
+        world, backend=backend, distributed=True, reasons=(*world.reasons, note), num_nodes=1
+    )
+
+
+def own_group_note(strategy: str) -> str:
+    """What a plan made for one process without a process group says of a wrapper it chose."""
+    return (
+        f"{strategy} needs a process group: prepare creates a one-rank group of its own for this "
+        f"one process (plain python), destroyed at exit"
+    )
 
 
 @dataclass(frozen=True)

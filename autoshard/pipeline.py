@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import batch_for_meta
-from autoshard._world import Memory, RankReport, World, local_memory, spanning
+from autoshard._world import Memory, RankReport, World, local_memory, own_group_note, spanning
 from autoshard.collective import agree
 from autoshard.decide.blocks import blocks_and_notes
-from autoshard.decide.candidates import all_candidates, decide, strategies_for
+from autoshard.decide.candidates import all_candidates, check_forced, decide, searched
 from autoshard.decide.consistent import (
     buffer_digests,
     fingerprint,
@@ -52,6 +53,7 @@ from autoshard.measure.facts import (
     worst,
 )
 from autoshard.measure.simulated import with_simulation
+from autoshard.strategies.recipes import Engine, Job, available, recipe
 
 logger = logging.getLogger("autoshard")
 
@@ -189,9 +191,16 @@ def _decide(
         [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
-    strategies = strategies_for(
-        target.world_size, target.distributed, num_nodes, target.device.type
+    job = Job(
+        target.world_size,
+        target.distributed,
+        num_nodes,
+        target.device.type,
+        own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
     )
+    available_ = available(job)
+    check_forced(available_, request.strategy, job)  # before any simulation
+    strategies = searched(available_, target.world_size, request.strategy)
     names = [n for n, _ in gathered.blocks]
     if not target.simulate:
         note = (
@@ -207,6 +216,8 @@ def _decide(
     plan = replace(
         decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=unused
     )
+    if job.own_group and recipe(plan.strategy).engine is not Engine.NONE and not target.in_job:
+        plan = replace(plan, reasons=(*plan.reasons, own_group_note(str(plan.strategy))))
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
     return Decision(plan, first, tuple(rungs), tuple(names), bool(unused), num_nodes)

@@ -15,13 +15,14 @@ from torch import nn
 import autoshard
 from autoshard import DoesNotFit, Strategy
 from autoshard._units import human
-from autoshard.decide.candidates import candidate, decide, strategies_for
+from autoshard.decide.candidates import candidate, check_forced, decide, strategies_for
 from autoshard.decide.cost import step_seconds
 from autoshard.decide.estimate import ModelStats, Setting
 from autoshard.decide.hardware import Hardware, hardware_for
 from autoshard.decide.plan import Attempt, Candidate, Outcome, Plan, PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
+from autoshard.strategies.recipes import Job, available
 
 MiB = 2**20
 GiB = 2**30
@@ -122,6 +123,18 @@ def test_strategies_for() -> None:
     assert strategies_for(1, False) == (Strategy.LOCAL,)
     # A process group of one rank: the wrappers work (a forced one is obeyed), LOCAL too.
     assert strategies_for(1, True) == (Strategy.LOCAL, *ALL)
+    # One process without a group that prepare could give one: only a wrapper that helps alone
+    # (CPU offload, on a GPU); on the CPU there is nothing to offload to.
+    assert strategies_for(1, False, device_type="cuda", own_group=True) == (
+        Strategy.LOCAL,
+        Strategy.CPU_OFFLOAD,
+    )
+    assert strategies_for(1, False, device_type="cpu", own_group=True) == (Strategy.LOCAL,)
+    assert strategies_for(1, True, device_type="cuda") == (
+        Strategy.LOCAL,
+        *ALL,
+        Strategy.CPU_OFFLOAD,
+    )
     assert strategies_for(8, False) == (Strategy.LOCAL,)  # not distributed: nothing to shard over
     assert strategies_for(2, True) == ALL
     assert strategies_for(8, True) == ALL
@@ -396,9 +409,16 @@ def test_forced_checkpointing_is_obeyed_by_every_candidate() -> None:
 
 
 @pytest.mark.parametrize("forced", ALL)
-def test_forced_wrapper_without_a_process_group_is_a_value_error(forced: Strategy) -> None:
-    with pytest.raises(ValueError, match="needs a process group"):
-        decide(make_inputs(1, AMPLE), strategies_for(1, False), forced, None)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_forced_wrapper_without_a_process_group_is_a_value_error(
+    forced: Strategy, device_type: str
+) -> None:
+    # a group of its own only for what helps one process alone: these need peers to mean anything
+    job = Job(1, False, 1, device_type, own_group=True)
+    with pytest.raises(ValueError, match="needs a process group.*torchrun"):
+        check_forced(available(job), forced, job)
+    with pytest.raises(ValueError, match=f"strategy {forced} cannot train this job"):
+        decide(make_inputs(1, AMPLE), available(job), forced, None)
 
 
 @pytest.mark.parametrize("forced", ALL)

@@ -17,12 +17,37 @@ from autoshard.strategies.strategy import Strategy
 
 
 def strategies_for(
-    world_size: int, distributed: bool, num_nodes: int = 1, device_type: str = "cpu"
+    world_size: int,
+    distributed: bool,
+    num_nodes: int = 1,
+    device_type: str = "cpu",
+    own_group: bool = False,
 ) -> tuple[Strategy, ...]:
     """The wrappings this job can use (`strategies.recipes.available`): without a process group
-    only LOCAL; with one rank the wrappers work but buy nothing, so auto keeps LOCAL while a
+    LOCAL, and CPU_OFFLOAD on a GPU where prepare can create a one-rank group of its own
+    (`own_group`); with one rank `auto` weighs only those that help alone (`searched`) while a
     forced wrapper is still obeyed."""
-    return available(Job(world_size, distributed, num_nodes, device_type))
+    return available(Job(world_size, distributed, num_nodes, device_type, own_group))
+
+
+def check_forced(strategies: tuple[Strategy, ...], forced: Strategy | None, job: Job) -> None:
+    """Raise the recipe's own ValueError when the caller forced a strategy this job cannot use."""
+    if forced is not None and forced not in strategies:
+        unavailable = recipe(forced).unavailable(job)
+        raise ValueError(unavailable or f"strategy {forced} cannot train this job")
+
+
+def searched(
+    strategies: tuple[Strategy, ...], world_size: int, forced: Strategy | None
+) -> tuple[Strategy, ...]:
+    """The strategies a decision weighs among those available: the forced one, else all of them,
+    except that with one rank only those that help alone (`Recipe.helps_alone`: unwrapped, or
+    offloaded to host memory); sharding over one rank or DDP only adds work."""
+    if forced is not None:
+        return tuple(s for s in strategies if s == forced)
+    if world_size == 1:
+        return tuple(s for s in strategies if recipe(s).helps_alone)
+    return strategies
 
 
 def candidate(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> Candidate:
@@ -68,8 +93,7 @@ def all_candidates(
     counts = range(inputs.num_blocks + 1) if inputs.profile is not None else range(1)
     return [
         candidate(inputs, s, k)
-        for s in strategies
-        if forced_strategy in (None, s)
+        for s in searched(strategies, inputs.world_size, forced_strategy)
         for k in (counts if forced_ac is None else (forced_ac,))
         if not crash(inputs, s, k)
     ]
@@ -122,22 +146,11 @@ def decide(
     forced_strategy: Strategy | None,
     forced_ac: int | None,
 ) -> Plan:
-    """Choose the fastest candidate whose estimated peak fits; forced choices are obeyed."""
+    """Choose the fastest candidate whose estimated peak fits; forced choices are obeyed (a forced
+    strategy the job cannot use is refused earlier, by `check_forced`)."""
     if forced_strategy is not None and forced_strategy not in strategies:
-        job = Job(
-            inputs.world_size,
-            strategies != (Strategy.LOCAL,),
-            inputs.num_nodes,
-            inputs.setting.device_type,
-        )
-        raise ValueError(
-            recipe(forced_strategy).unavailable(job)
-            or f"strategy {forced_strategy} cannot train this job"
-        )
-    if forced_strategy is not None:
-        strategies = (forced_strategy,)
-    elif Strategy.LOCAL in strategies:
-        strategies = (Strategy.LOCAL,)  # one rank: a wrapper only adds work
+        raise ValueError(f"strategy {forced_strategy} cannot train this job")
+    strategies = searched(strategies, inputs.world_size, forced_strategy)
     shown: list[Candidate] = []
     for strategy in strategies:
         error = crash(inputs, strategy, forced_ac or 0)

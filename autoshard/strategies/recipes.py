@@ -32,6 +32,9 @@ class Job:
     distributed: bool  # a process group exists or is planned for (what-if)
     num_nodes: int
     device_type: str
+    # One process without a process group (plain `python`), which `prepare` can give a one-rank
+    # group of its own (`_world.own_group`) for a strategy that helps alone (`Recipe.helps_alone`).
+    own_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,13 @@ class Recipe:
     @property
     def sharded(self) -> bool:
         return self.engine is Engine.FSDP2
+
+    @property
+    def helps_alone(self) -> bool:
+        """Whether it buys anything with one rank: sharding over one rank shards nothing and DDP
+        reduces nothing, but offload moves the state to host memory (and LOCAL is the baseline).
+        With one rank `auto` weighs only these; a forced wrapper is still obeyed."""
+        return self.engine is Engine.NONE or self.offload
 
     @property
     def gathers(self) -> int:
@@ -111,7 +121,8 @@ def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
             return None
         return (
             f"strategy {strategy} needs a process group; launch with torchrun or accelerate "
-            f"launch (or use strategy='auto', which trains one process unwrapped)"
+            f"launch (or use strategy='auto', which decides for one process: unwrapped, or its "
+            f"state offloaded to host memory on a GPU)"
         )
 
     return check
@@ -129,7 +140,8 @@ def _hybrid(job: Job) -> str | None:
 
 def _offload(job: Job) -> str | None:
     if job.device_type == "cuda":
-        return _needs_group(Strategy.CPU_OFFLOAD)(job)
+        # it helps one process alone: prepare gives a plain-python process a group of its own
+        return None if job.own_group else _needs_group(Strategy.CPU_OFFLOAD)(job)
     return (
         "strategy CPU_OFFLOAD moves state from GPU memory to host memory, but this job trains "
         "on the CPU already; use 'full_shard'"
@@ -186,8 +198,9 @@ def recipe(strategy: Strategy) -> Recipe:
 
 
 def available(job: Job) -> tuple[Strategy, ...]:
-    """The strategies this job can use, in registry order. Without a process group only LOCAL;
-    with one rank the wrappers work but buy nothing (auto keeps LOCAL; a forced one is obeyed)."""
-    if not job.distributed:
+    """The strategies this job can use, in registry order: without a process group LOCAL, and
+    those a group of its own would serve (`Job.own_group`); with one, every recipe that accepts
+    the job (with one rank `auto` weighs only those that help alone, `Recipe.helps_alone`)."""
+    if not job.distributed and not job.own_group:
         return (Strategy.LOCAL,)
     return tuple(s for s, r in RECIPES.items() if r.unavailable(job) is None)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._world import World
+from autoshard._world import World, own_group
 from autoshard.collective import agree_here
 from autoshard.decide.precision import Precision
 from autoshard.strategies.engines import (
@@ -90,9 +90,14 @@ def apply(
     each rank takes alone run inside an agreement (`collective.agree_here`), and the collectives
     between them (rank 0's parameters broadcast, the mesh, DDP's construction) only once every
     rank got there."""
-    world, target = wrapping.world, recipe(strategy)
+    target = recipe(strategy)
     current = recipe(wrapping.strategy) if wrapping.strategy is not None else None
     assert current is None or current.can_fall_back_to(strategy), (current, strategy)
+    if target.engine is not Engine.NONE and not wrapping.world.distributed:
+        # one process under plain python, and a wrapper that helps it alone (CPU offload)
+        wrapping.world = own_group(wrapping.world, str(strategy))
+        wrapping.notes.append(wrapping.world.reasons[-1])
+    world = wrapping.world
     what = f"wrapping the model as {strategy}"
     agree_here(world, what, lambda: _before_collectives(wrapping, strategy, checkpointed))
     mesh = None

@@ -283,7 +283,7 @@ def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
             if not work.trial_step
             else "no example_batch: no trial step"
         )
-        return TrialResult(first, (), None, (why,))
+        return TrialResult(first, (), None, (*wrapping.notes, why))
     work = replace(work, batch=batch_to(work.batch, wrapping.world.device))
     current, attempts, tried = first, [], set()
     while True:

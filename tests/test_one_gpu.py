@@ -1,0 +1,171 @@
+"""One GPU, not enough memory: the single-GPU ladder (unwrapped -> k blocks checkpointed -> CPU
+offload -> CPU offload with blocks checkpointed), chosen by the cost model, for a script run with
+plain `python` (prepare gives it a one-rank group of its own) or under torchrun.
+
+The decisions are what-if plans for a GPU (`device="cuda"`), so they run on any CPU; the group of
+its own is created for real on the CPU (gloo); the GPU run itself is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import REPO, run_tree
+from test_plan import Tower
+
+import autoshard
+from autoshard import DoesNotFit, Strategy
+from autoshard.decide.plan import Candidate, Plan
+
+GPU = dict(device="cuda", device_memory="80GiB", host_memory="64GiB")
+WIDTH, ROWS, DEPTH = 1024, 8192, 4  # activations and state both weigh: every rung matters
+
+
+@pytest.fixture(scope="module")
+def job() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    with torch.device("meta"):  # a what-if needs only shapes
+        model = Tower(width=WIDTH, depth=DEPTH)
+        batch = torch.randn(ROWS, 8)
+    return model, torch.optim.AdamW(model.parameters()), batch
+
+
+@pytest.fixture(scope="module")
+def rungs(job: Any) -> dict[tuple[Strategy, int], Candidate]:
+    """Every rung of the ladder with its estimate: each checkpointing count forced in turn."""
+    found = {}
+    for k in range(DEPTH + 1):
+        plan = autoshard.plan(*job, activation_checkpointing=k, **GPU)
+        for c in plan.candidates:
+            found[(c.strategy, c.activation_checkpointing)] = c
+    return found
+
+
+def _need(c: Candidate) -> int:
+    return c.estimated_peak_bytes + c.reserve_bytes
+
+
+def _between(low: Candidate, high: Candidate) -> int:
+    """A memory limit that `low` fits under and `high` does not."""
+    assert _need(low) < _need(high), (low, high)
+    return (_need(low) + _need(high)) // 2
+
+
+def _ladder(rungs: dict[tuple[Strategy, int], Candidate]) -> dict[str, Candidate]:
+    local = [rungs[(Strategy.LOCAL, k)] for k in range(DEPTH + 1)]
+    offload = [rungs[(Strategy.CPU_OFFLOAD, k)] for k in range(DEPTH + 1)]
+    return {
+        "local": local[0],
+        "local_least": min(local, key=_need),
+        "offload": offload[0],
+        "offload_least": min(offload, key=_need),
+    }
+
+
+def test_the_rungs_are_what_the_ladder_needs(rungs: dict[tuple[Strategy, int], Candidate]) -> None:
+    """The fixture's model has a ladder: checkpointing saves some, offload more, both most; and
+    offload costs more time than any checkpointing (PCIe both ways and an optimizer step on the
+    host, against one more forward of some blocks)."""
+    r = _ladder(rungs)
+    assert _need(r["local_least"]) < _need(r["local"])
+    assert _need(r["offload"]) < _need(r["local_least"])
+    assert _need(r["offload_least"]) < _need(r["offload"])
+    slowest_local = max(c.step_seconds for (s, _), c in rungs.items() if s == Strategy.LOCAL)
+    fastest_offload = min(
+        c.step_seconds for (s, _), c in rungs.items() if s == Strategy.CPU_OFFLOAD
+    )
+    assert slowest_local < fastest_offload
+    offload = r["offload"]
+    assert offload.footprint.params == offload.footprint.optimizer_state == 0
+    assert offload.host_bytes > 0
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_one_gpu_climbs_the_ladder_as_memory_shrinks(
+    launch: str, job: Any, rungs: dict[tuple[Strategy, int], Candidate]
+) -> None:
+    # plain python: no process group, prepare would create one; torchrun: a one-rank group
+    world = {} if launch == "python" else {"world_size": 1}
+    r = _ladder(rungs)
+
+    def chosen(limit: int | None) -> Plan:
+        plan = autoshard.plan(*job, memory_limit=limit, **world, **GPU)
+        assert plan.world_size == 1
+        return plan
+
+    ample = chosen(None)
+    assert (ample.strategy, ample.activation_checkpointing) == (Strategy.LOCAL, 0)
+    assert {c.strategy for c in ample.candidates} == {Strategy.LOCAL, Strategy.CPU_OFFLOAD}
+
+    # checkpointing fits and so does offload: checkpointing is faster
+    some = chosen(_between(r["local_least"], r["local"]))
+    assert some.strategy == Strategy.LOCAL and some.activation_checkpointing > 0, str(some)
+    assert not some.cpu_offload
+
+    offload = chosen(_between(r["offload"], r["local_least"]))
+    assert (offload.strategy, offload.activation_checkpointing) == (Strategy.CPU_OFFLOAD, 0)
+    assert offload.cpu_offload
+
+    both = chosen(_between(r["offload_least"], r["offload"]))
+    assert both.strategy == Strategy.CPU_OFFLOAD and both.activation_checkpointing > 0, str(both)
+
+    group_note = "prepare creates a one-rank group of its own"
+    for plan in (offload, both):
+        said = any(group_note in reason for reason in plan.reasons)
+        assert said == (launch == "python"), plan.reasons
+    assert not any(group_note in reason for reason in some.reasons)
+
+
+def test_one_process_on_the_cpu_never_offloads(job: Any) -> None:
+    model, optimizer, batch = job
+    plan = autoshard.plan(model, optimizer, batch, device="cpu", device_memory="80GiB")
+    assert [c.strategy for c in plan.candidates] == [Strategy.LOCAL]
+    with pytest.raises(ValueError, match="CPU_OFFLOAD.*CPU"):
+        autoshard.plan(model, optimizer, batch, device="cpu", strategy="cpu_offload")
+
+
+OWN_GROUP_SCRIPT = """
+import atexit, torch, torch.distributed as dist
+from torch import nn
+from autoshard import Strategy
+from autoshard._world import resolve
+from autoshard.decide.precision import Precision
+from autoshard.wrap.apply import apply, start
+
+# registered before prepare's hook, so it runs after it (atexit runs last-in, first-out)
+atexit.register(lambda: print("group destroyed at exit:", not dist.is_initialized()))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+optimizer = torch.optim.AdamW(model.parameters())
+world = resolve(init=True)  # plain python: nothing to initialise
+print("group before:", dist.is_initialized(), world.distributed)
+wrapping = start(model, ["0", "1"], world, Precision.NO, False)
+# the route prepare takes to a wrapper for one process without a group (on a GPU: CPU_OFFLOAD)
+apply(wrapping, optimizer, Strategy.FULL_SHARD, 0)
+print("group after:", dist.is_initialized(), dist.get_world_size(), dist.get_backend())
+print("world:", wrapping.world.distributed, wrapping.world.backend, wrapping.world.world_size)
+print("notes:", wrapping.notes)
+loss = wrapping.model(torch.randn(4, 8)).sum()
+loss.backward()
+optimizer.step()
+print("trained:", bool(torch.isfinite(loss)))
+"""
+
+
+def test_plain_python_gets_a_one_rank_group_of_its_own_destroyed_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(OWN_GROUP_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= dict(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
+    assert returncode == 0, output
+    assert "group before: False False" in output, output
+    assert "group after: True 1 gloo" in output, output
+    assert "world: True gloo 1" in output, output
+    assert "prepare created a one-rank group of its own (gloo, in-process store)" in output
+    assert "trained: True" in output, output
+    assert "group destroyed at exit: True" in output, output
