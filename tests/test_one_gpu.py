@@ -20,6 +20,7 @@ from test_plan import Tower
 
 import autoshard
 from autoshard import DoesNotFit, Strategy
+from autoshard._units import human
 from autoshard.decide.plan import Candidate, Plan
 
 GPU = dict(device="cuda", device_memory="80GiB", host_memory="64GiB")
@@ -118,6 +119,27 @@ def test_one_gpu_climbs_the_ladder_as_memory_shrinks(
         said = any(group_note in reason for reason in plan.reasons)
         assert said == (launch == "python"), plan.reasons
     assert not any(group_note in reason for reason in some.reasons)
+
+
+def test_one_gpu_without_enough_host_memory_does_not_offload(
+    job: Any, rungs: dict[tuple[Strategy, int], Candidate]
+) -> None:
+    r = _ladder(rungs)
+    limit = _between(r["offload"], r["local_least"])  # only offload fits the device
+    host = r["offload_least"].host_bytes // 2  # and the host holds half its state
+    with pytest.raises(DoesNotFit) as caught:
+        autoshard.plan(*job, memory_limit=limit, **(GPU | {"host_memory": host}))
+    message = str(caught.value)
+    # DoesNotFit names every rung it weighed, with what each needs, and offload's host memory
+    assert "Every rung weighed" in message, message
+    for c in (r["local"], r["local_least"], r["offload"]):
+        rung = f"{c.strategy} {c.activation_checkpointing}/{DEPTH} {human(_need(c))}"
+        assert rung in message, (rung, message)
+    offload = r["offload"]
+    assert f"and {human(offload.host_bytes)} of host memory ({human(host)} available)" in message
+    # the closest rung is the one quoted: here checkpointing's device shortfall is the smaller
+    closest = min(_need(r["local_least"]) - limit, offload.host_bytes - host)
+    assert caught.value.missing_bytes == closest
 
 
 def test_one_process_on_the_cpu_never_offloads(job: Any) -> None:

@@ -10,7 +10,7 @@ from autoshard._units import human
 from autoshard.decide.cost import reserve_bytes, step_seconds
 from autoshard.decide.crashes import candidate_crash, not_offered_note
 from autoshard.decide.estimate import estimate, host_bytes
-from autoshard.decide.fit import DoesNotFit, shortfall
+from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
 from autoshard.strategies.recipes import Job, available, recipe
 from autoshard.strategies.strategy import Strategy
@@ -185,7 +185,7 @@ def decide(
     else:
         fitting = [c for c in shown if c.fits]
         if not fitting:
-            raise DoesNotFit.from_estimate(inputs, min(shown, key=lambda c: shortfall(inputs, c)))
+            raise DoesNotFit.from_estimate(inputs, shown)
         chosen = min(fitting, key=lambda c: c.step_seconds)
         reasons.append(_why(chosen, shown))
     return Plan(

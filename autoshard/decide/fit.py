@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autoshard._units import human
@@ -23,7 +24,10 @@ class DoesNotFit(ValueError):
         self.missing_bytes = missing_bytes
 
     @classmethod
-    def from_estimate(cls, inputs: PlanInputs, best: Candidate) -> DoesNotFit:
+    def from_estimate(cls, inputs: PlanInputs, tried: Sequence[Candidate]) -> DoesNotFit:
+        """The error for a decision where none of the rungs `tried` fits: the closest one's
+        shortfall first, then every rung with what it needs, then what would help."""
+        best = min(tried, key=lambda c: shortfall(inputs, c))
         device_missing = best.estimated_peak_bytes + best.reserve_bytes - inputs.usable_bytes
         host_missing = host_shortfall(inputs, best)
         activation_share = best.footprint.activations / max(best.estimated_peak_bytes, 1)
@@ -46,12 +50,28 @@ class DoesNotFit(ValueError):
         return cls(
             f"no strategy fits: the most frugal candidate, {best.strategy} with "
             f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
+            f"Every rung weighed, with what it needs per rank: {_rungs(inputs, tried)}. "
             f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
             f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
             f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
             f"device has.{_not_offered(inputs)}",
             max(device_missing, host_missing),
         )
+
+
+def _rungs(inputs: PlanInputs, tried: Sequence[Candidate]) -> str:
+    """Each rung tried and its need: device bytes (with what is kept free beside them), and the
+    host memory an offloading rung needs against what the host has."""
+    host = inputs.host_usable_bytes
+    available = f"{human(host)} available" if host is not None else "not checked"
+    said = []
+    for c in sorted(tried, key=lambda c: -(c.estimated_peak_bytes + c.reserve_bytes)):
+        text = f"{c.strategy} {c.activation_checkpointing}/{inputs.num_blocks} "
+        text += human(c.estimated_peak_bytes + c.reserve_bytes)
+        if c.host_bytes:
+            text += f" and {human(c.host_bytes)} of host memory ({available})"
+        said.append(text)
+    return "; ".join(said)
 
 
 def _not_offered(inputs: PlanInputs) -> str:
