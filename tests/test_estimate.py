@@ -4,6 +4,8 @@ term, as PyTorch's test_fully_shard_memory.py writes its expected peaks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -788,6 +790,26 @@ def test_from_simulation_under_cpu_offload_keeps_state_off_the_device() -> None:
     fp = from_simulation(stats, None, s, sim)
     assert (fp.params, fp.grads, fp.optimizer_state) == (0, 0, 0)
     assert (fp.activations, fp.comm_buffers, fp.temporaries) == (100, 50, 3)
-    # the host holds this rank's share of parameters, gradients and optimizer state
-    assert host_bytes(stats, s) == -(-(176 + 176 + 352) // 2)
-    assert host_bytes(stats, setting(Strategy.FULL_SHARD, 2)) == 0
+    # The host holds this rank's shard of parameters and gradients, pinned, and its share of the
+    # optimizer state. Rank 0's shards are 4 of 8 rows and 2 of 3 rows (16 bytes each): 64 and
+    # 32 bytes, powers of two already.
+    trainable = dataclasses.replace(stats, grad_rows=stats.param_rows)  # both are trainable
+    assert host_bytes(trainable, s) == (64 + 32) + (64 + 32) + 352 // 2
+    assert host_bytes(trainable, setting(Strategy.FULL_SHARD, 2)) == 0
+    # Each pinned allocation is rounded up to a power of two: one rank's 3 rows of 16 bytes, 48
+    # bytes, take 64; 8 rows take 128.
+    whole = setting(Strategy.CPU_OFFLOAD, 1, device_type="cuda")
+    assert host_bytes(trainable, whole) == 2 * (128 + 64) + 352
+    # shapes unknown: the shares of the bytes, unrounded
+    unknown = dataclasses.replace(trainable, param_rows=(), grad_rows=())
+    assert host_bytes(unknown, s) == (176 + 176 + 352) // 2
+
+
+def test_gradient_rows_are_those_of_trainable_parameters() -> None:
+    from autoshard.decide.estimate import model_stats
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))
+    model[0].requires_grad_(False)  # frozen: pinned as a parameter, no gradient
+    stats = model_stats(model, [], 0, "", 0)
+    assert stats.param_rows == ((3, 4, 4), (3, 1, 4), (5, 3, 4), (5, 1, 4))
+    assert stats.grad_rows == ((5, 3, 4), (5, 1, 4))

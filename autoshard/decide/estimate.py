@@ -54,6 +54,8 @@ class ModelStats:
     step_temporary_bytes: int | None = None
     # (rows, elements per row, element bytes) of each parameter: FSDP2 shards dim 0
     param_rows: tuple[tuple[int, int, int], ...] = ()
+    # the same of each trainable parameter (each has a gradient)
+    grad_rows: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def root_numel(self) -> int:
@@ -82,6 +84,7 @@ def model_stats(
         input_bytes=input_bytes,
         step_temporary_bytes=step_temporary_bytes,
         param_rows=tuple(_rows(p) for p in params),
+        grad_rows=tuple(_rows(p) for p in params if p.requires_grad),
     )
 
 
@@ -372,11 +375,31 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
 
 
 def host_bytes(stats: ModelStats, s: Setting) -> int:
-    """Host memory one rank needs under CPU offload: its shard of parameters, gradients and
-    optimizer state, and the optimizer step's temporaries (the step runs on the CPU)."""
+    """Host memory one rank needs under CPU offload: its shard of parameters and gradients in
+    pinned memory, its optimizer state and the optimizer step's temporaries (the step runs on
+    the CPU) in pageable memory.
+
+    FSDP2's `CPUOffloadPolicy(pin_memory=True)`, its default, pins each parameter's padded shard
+    (`FSDPParam`: `padded_sharded_param.pin_memory()`) and copies each gradient shard to the host
+    with `non_blocking=True`, which allocates pinned memory too. torch's caching host allocator
+    rounds every pinned allocation up to a power of two (`CachingHostAllocator.h`, every torch
+    from 2.11 to 2.15 by default) and keeps freed blocks cached: a 17 MiB shard holds 32 MiB.
+    """
     if not recipe(s.strategy).offload:
         return 0
     n = s.shard_degree or s.world_size
     temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0
-    state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes + temporaries
-    return -(-state // n)
+    pageable = -(-(stats.optimizer_bytes + temporaries) // n)
+    if not stats.param_rows:  # shapes unknown: each shard as its share of the bytes
+        return pageable + -(-(stats.param_bytes + stats.trainable_bytes) // n)
+    return pageable + _pinned_shards(stats.param_rows, n) + _pinned_shards(stats.grad_rows, n)
+
+
+def _pinned_shards(rows: tuple[tuple[int, int, int], ...], degree: int) -> int:
+    """Pinned host bytes of rank 0's shard of each tensor (the largest: `torch.chunk` along dim
+    0), each rounded up to a power of two as torch's caching host allocator allocates it."""
+    total = 0
+    for count, per_row, size in rows:
+        nbytes = -(-count // degree) * per_row * size
+        total += 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+    return total
