@@ -11,17 +11,22 @@ or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
   within it.
 - A real CUDA OOM under memory_limit falls back to more checkpointing and trains; the caller's
   memory fraction and allocated peak are as it left them.
+- One GPU under plain `python`, with a limit only CPU offload fits: auto offloads, creates its
+  one-rank group, trains within the limit, and pins the host memory it planned (issue 23).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from _dist import REPO
+from _dist import REPO, run_tree
 
 import autoshard
 from autoshard.wrap.meter import caller_peak_kept
@@ -155,3 +160,62 @@ def test_caller_peak_kept_puts_a_higher_peak_back_within_a_block_split() -> None
     after = torch.cuda.max_memory_allocated(device)
     # rounded up to 512 bytes; a cached block is split only when more than 1 MiB would remain
     assert before <= after <= before + MiB + 512
+
+
+OFFLOAD_CHILD = """
+import json, sys, torch, autoshard
+sys.path.insert(0, "benchmarks")
+import _gpu_checks as checks
+
+# state outweighs activations: 8 blocks of 2048 wide, 268M fp32 parameters (4.3 GB with AdamW's
+# state twice that), 2048 rows
+model, optimizer, batch = checks.setup(torch.device("cpu"), width=2048, blocks=8, rows=2048)
+common = dict(loss_fn=checks.loss_fn, mixed_precision="no")
+need = {}
+for k in (0, 8):
+    plan = autoshard.plan(model, optimizer, batch, activation_checkpointing=k,
+                          device_memory="1TiB", device="cuda", **common)
+    for c in plan.candidates:
+        need[(c.strategy.name, k)] = (c.estimated_peak_bytes + c.reserve_bytes, c.host_bytes)
+offload, local_least = need[("CPU_OFFLOAD", 0)][0], need[("LOCAL", 8)][0]
+assert offload < local_least, need
+limit = (offload + local_least) // 2
+device = torch.device("cuda", 0)
+model, optimizer, plan = autoshard.prepare(model, optimizer, batch, memory_limit=limit, **common)
+batch = batch.to(device)
+torch.cuda.reset_peak_memory_stats(device)
+losses = []
+for _ in range(3):
+    loss = checks.loss_fn(model(batch), batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+torch.cuda.synchronize(device)
+chosen = plan.chosen
+print("RESULT", json.dumps(dict(
+    strategy=plan.strategy.name, limit=limit, reserved=torch.cuda.max_memory_reserved(device),
+    pinned=torch.cuda.host_memory_stats().get("allocated_bytes.current", 0),
+    host_bytes=chosen.host_bytes, losses=losses, reasons=list(plan.reasons),
+    initialized=torch.distributed.is_initialized(),
+)))
+"""
+
+
+def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    script = tmp_path / "offload.py"
+    script.write_text(OFFLOAD_CHILD)
+    returncode, output, _ = run_tree([sys.executable, str(script)], REPO, env, 600)
+    assert returncode == 0, output[-4000:]
+    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["strategy"] == "CPU_OFFLOAD", result
+    assert result["initialized"], "prepare gave plain python a group of its own"
+    assert any("one-rank group of its own (nccl" in r for r in result["reasons"]), result
+    assert all(math.isfinite(x) for x in result["losses"]), result
+    assert result["reserved"] <= result["limit"], result
+    # the pinned host memory FSDP2 holds (parameters' and gradients' shards, each rounded up to a
+    # power of two by the host allocator) is within what the plan counted for the host, which
+    # adds the pageable optimizer state
+    assert 0 < result["pinned"] <= result["host_bytes"], result
