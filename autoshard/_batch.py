@@ -101,6 +101,20 @@ def batch_bytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(batch))
 
 
+def leading_rows(batch: Any) -> int | None:
+    """The batch's rows: the leading size of its first tensor (None: no tensor)."""
+    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
+    return tensors[0].shape[0] if tensors else None
+
+
+def first_rows(batch: Any, rows: int, n: int) -> Any:
+    """`batch` with every tensor of `rows` leading rows cut to its first `n`."""
+    return tree_map(
+        lambda x: x[:n] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows else x,
+        batch,
+    )
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor in a nested structure (and in a Hugging Face ModelOutput)."""
     found: list[torch.Tensor] = []

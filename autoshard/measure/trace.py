@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._batch import LossFn, compute_loss, split_batch, tensors_in
+from autoshard._batch import (
+    LossFn,
+    compute_loss,
+    first_rows,
+    leading_rows,
+    split_batch,
+    tensors_in,
+)
 from autoshard._torch_compat import (
     fake_mode,
     flop_formulas,
@@ -177,13 +184,13 @@ def profile_scaled(
     term). A batch of at most two rows runs as it is. Returns the profile and how it was made.
 
     Real memory used: one step's activations at two rows, not at the full batch."""
-    rows = _rows(batch)
+    rows = leading_rows(batch)
     if rows is None or rows <= 2:
         return profile_step(model, blocks, batch, loss_fn, autocast_dtype, real=True), (
             "measured on real tensors"
         )
     one, two = (
-        profile_step(model, blocks, _first_rows(batch, rows, n), loss_fn, autocast_dtype, True)
+        profile_step(model, blocks, first_rows(batch, rows, n), loss_fn, autocast_dtype, True)
         for n in (1, 2)
     )
 
@@ -296,20 +303,6 @@ def _attention_shape(
     if not fits:
         raise ValueError(f"attention shapes q={query}, k={key}, v={value} do not fit")
     return batch, heads, q_len, dim
-
-
-def _rows(batch: Any) -> int | None:
-    """The batch's rows: the leading size of its first tensor (None: no tensor)."""
-    tensors = [t for t in tensors_in(batch) if t.dim() > 0]
-    return tensors[0].shape[0] if tensors else None
-
-
-def _first_rows(batch: Any, rows: int, n: int) -> Any:
-    """`batch` with every tensor of `rows` leading rows cut to its first `n`."""
-    return tree_map(
-        lambda x: x[:n] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows else x,
-        batch,
-    )
 
 
 def _fake(mode: Any, param: torch.Tensor) -> torch.Tensor:
