@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard._batch import batch_for_meta
+from autoshard._batch import batch_for_meta, first_rows, leading_rows
 from autoshard._world import Memory, RankReport, World, local_memory, own_group_note, spanning
 from autoshard.collective import agree
 from autoshard.decide.blocks import blocks_and_notes
@@ -30,8 +30,9 @@ from autoshard.decide.consistent import (
     raise_if_inconsistent,
     warn_if_buffers_differ,
 )
+from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.job import Decision, Ranks, Work
-from autoshard.decide.plan import PlanInputs
+from autoshard.decide.plan import Candidate, PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
     check_batch_device,
@@ -56,6 +57,9 @@ from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
 
 logger = logging.getLogger("autoshard")
+
+# simulations `largest_batch` may run
+MAX_PROBES = 8
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Target:
     num_nodes: int | None = None  # None: from the ranks' hosts and the launcher's layout
     memory: Memory | None = None  # the device memory per rank; None: measured on each rank
     simulate: bool = True  # False: a what-if for another size inside a job, by formula
+    probe: bool = False  # one of `largest_batch`'s probes: silent, and no search of its own
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,12 @@ def run(call: Call, target: Target) -> tuple[Decision, Work]:
             f"{len(unused)} trainable parameter(s) got no gradient in the traced step (e.g. "
             f"'{unused[0]}'): under DDP, find_unused_parameters=True"
         )
-    decision = _decide(gathered, reports, target, reasons, unused)
+    try:
+        decision = _decide(gathered, reports, target, reasons, unused)
+    except DoesNotFit as error:
+        if not error.tried or target.probe:
+            raise
+        raise error.with_batch(*largest_batch(call, target, error)) from None
     return decision, gathered.work
 
 
@@ -233,8 +243,78 @@ def with_cublas(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     return replace(inputs, setting=setting, reasons=(*inputs.reasons, most.note))
 
 
+def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | None, str]:
+    """The largest per-rank batch with which a rung of a plan that does not fit would fit, along
+    the example batch's leading dimension, and how it was found.
+
+    Found by simulation, not extrapolated: the answer is always a batch simulated and found to
+    fit. The rung is simulated at one row, then where the line between the largest batch known
+    to fit and the smallest known not to meets the usable memory (memory is not linear in the
+    rows everywhere: attention over a sequence, routing, padding), until those two are within
+    2%. Every probe is this pipeline again, on the cut batch with the rung forced and the usable
+    memory fixed: deterministic, so every rank of a job reaches the same figure."""
+    usable, host = error.usable, error.host_usable
+    # the rung that needs least of the device among those the host can hold: rows shrink the
+    # device's activations, never the offloaded state on the host
+    hosted = [c for c in error.tried if host is None or c.host_bytes <= host] or error.tried
+    rung = min(hosted, key=lambda c: c.estimated_peak_bytes + c.reserve_bytes)
+    batch = call.batch
+    rows = leading_rows(batch) if batch is not None else None
+    if rows is None:
+        return None, "the example batch has no tensor with a batch dimension to make smaller"
+    if rows == 1:
+        return None, "the example batch is already one row"
+    options = call.options | dict(
+        strategy=rung.strategy.value,
+        activation_checkpointing=rung.activation_checkpointing,
+        memory_limit=None,
+        trial_step=False,
+    )
+    probe_target = replace(
+        target, in_job=False, memory=Memory(usable, usable, "usable", host), probe=True
+    )
+    probed: list[int] = []
+
+    def fits(n: int) -> tuple[int, bool]:
+        probed.append(n)
+        cut = replace(call, batch=first_rows(batch, rows, n), options=options, dataloader=None)
+        chosen = run(cut, probe_target)[0].plan.chosen
+        return chosen.estimated_peak_bytes + chosen.reserve_bytes, chosen.fits
+
+    one, fit = fits(1)
+    if not fit:
+        return None, f"not even one of its {rows} rows fits with {_rung(rung)}"
+    # between a batch that fits and one that does not, the row count where the line through
+    # their needs meets the usable memory (the middle where that line says nothing new), until
+    # the two are within 2% or the probes run out
+    low, low_need = 1, one
+    high, high_need = rows, rung.estimated_peak_bytes + rung.reserve_bytes
+    while high - low > max(1, low // 50) and len(probed) < MAX_PROBES:
+        slope = (high_need - low_need) / (high - low)
+        guess = low + int((usable - low_need) / slope) if slope > 0 else (low + high) // 2
+        guess = min(max(guess, low + 1), high - 1)
+        guess_need, fit = fits(guess)
+        if fit:
+            low, low_need = guess, guess_need
+        else:
+            high, high_need = guess, guess_need
+    steps = call.options["accumulation_steps"]
+    keep = -(-rows * steps // low)
+    return low, (
+        f"{low} of its {rows} rows, with {_rung(rung)} (simulated at "
+        f"{', '.join(map(str, sorted(probed)))} rows); accumulation_steps={keep} keeps at least "
+        f"the {rows * steps} rows per rank per optimizer step"
+    )
+
+
+def _rung(c: Candidate) -> str:
+    return f"{c.strategy} with {c.activation_checkpointing} block(s) checkpointed"
+
+
 def progress(target: Target, message: str) -> None:
     """What the pipeline is doing, once (rank 0 of a job), through the "autoshard" logger: INFO,
     so shown when the script enables it (`logging.basicConfig(level=logging.INFO)`)."""
+    if target.probe:
+        return
     if not target.in_job or target.world.rank == 0:
         logger.info(message)

@@ -142,6 +142,46 @@ def test_one_gpu_without_enough_host_memory_does_not_offload(
     assert caught.value.missing_bytes == closest
 
 
+def test_does_not_fit_names_the_largest_batch_that_fits_found_by_simulation() -> None:
+    with torch.device("meta"):
+        model = Tower(width=512, depth=4)
+        batch = torch.randn(16384, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    limited = GPU | {"memory_limit": "700MiB", "accumulation_steps": 2}
+    with pytest.raises(DoesNotFit) as caught:
+        autoshard.plan(model, optimizer, batch, **limited)
+    error = caught.value
+    largest = error.largest_batch
+    assert largest is not None and 1 < largest < 16384, str(error)
+    # simulated to fit, and the next batch past the search's 2% does not
+    assert autoshard.plan(model, optimizer, batch[:largest], **limited).chosen.fits
+    with pytest.raises(DoesNotFit):
+        autoshard.plan(model, optimizer, batch[: largest + max(1, largest // 50)], **limited)
+    message = str(error)
+    assert f"The largest per-rank batch that fits: {largest} of its 16384 rows, with " in message
+    keep = -(-16384 * 2 // largest)
+    assert f"accumulation_steps={keep} keeps at least the 32768 rows" in message, message
+    assert "simulated at 1, " in message
+
+
+@pytest.mark.parametrize(
+    ("rows", "limit", "why"),
+    [
+        (1, "300MiB", "the example batch is already one row"),
+        (64, "300MiB", "not even one of its 64 rows fits with"),
+    ],
+)
+def test_does_not_fit_says_why_no_smaller_batch_fits(rows: int, limit: str, why: str) -> None:
+    with torch.device("meta"):
+        model = Tower(width=512, depth=4)
+        batch = torch.randn(rows, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(DoesNotFit) as caught:
+        autoshard.plan(model, optimizer, batch, memory_limit=limit, **GPU)
+    assert caught.value.largest_batch is None
+    assert f"No smaller per-rank batch was found to fit: {why}" in str(caught.value)
+
+
 def test_one_process_on_the_cpu_never_offloads(job: Any) -> None:
     model, optimizer, batch = job
     plan = autoshard.plan(model, optimizer, batch, device="cpu", device_memory="80GiB")

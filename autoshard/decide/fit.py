@@ -17,11 +17,40 @@ class DoesNotFit(ValueError):
     Attributes:
         missing_bytes: per-rank bytes the most frugal candidate lacks (None when a trial step,
             not the estimate, showed that nothing fits).
+        largest_batch: the largest per-rank batch (rows of the example batch's leading
+            dimension) with which a rung would fit, found by simulation; None where none does or
+            it was not searched (the message says which).
     """
 
-    def __init__(self, message: str, missing_bytes: int | None) -> None:
+    def __init__(
+        self,
+        message: str,
+        missing_bytes: int | None,
+        tried: Sequence[Candidate] = (),
+        usable: int = 0,
+        host_usable: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.missing_bytes = missing_bytes
+        # what the decision weighed, for the batch-size search that completes the message
+        self.tried = tuple(tried)
+        self.usable = usable
+        self.host_usable = host_usable
+        # the largest per-rank batch that would fit (`with_batch`); None: not searched, or none
+        self.largest_batch: int | None = None
+
+    def with_batch(self, largest: int | None, how: str) -> DoesNotFit:
+        """This error with the largest per-rank batch that would fit said (`pipeline`)."""
+        said = (
+            "The largest per-rank batch that fits"
+            if largest
+            else "No smaller per-rank batch was found to fit"
+        )
+        error = DoesNotFit(
+            f"{self} {said}: {how}.", self.missing_bytes, (), self.usable, self.host_usable
+        )
+        error.largest_batch = largest
+        return error
 
     @classmethod
     def from_estimate(cls, inputs: PlanInputs, tried: Sequence[Candidate]) -> DoesNotFit:
@@ -56,6 +85,9 @@ class DoesNotFit(ValueError):
             f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
             f"device has.{_not_offered(inputs)}",
             max(device_missing, host_missing),
+            tried,
+            inputs.usable_bytes,
+            inputs.host_usable_bytes,
         )
 
 
