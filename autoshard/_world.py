@@ -229,3 +229,5 @@ class RankReport:
     buffers: dict[str, str] = field(default_factory=dict)  # name -> digest of its values
     # the cuBLAS workspaces a step allocates on this rank (`measure.cublas`); None off CUDA
     cublas: Any = None
+    # this host's throughput for CPU offload (`measure.host`); None where offload is not weighed
+    offload_throughput: Any = None

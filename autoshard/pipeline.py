@@ -35,6 +35,7 @@ from autoshard.decide.job import Decision, Ranks, Work
 from autoshard.decide.plan import Candidate, PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
+    Request,
     check_batch_device,
     check_model,
     check_optimizer,
@@ -53,8 +54,10 @@ from autoshard.measure.facts import (
     with_resident,
     worst,
 )
+from autoshard.measure.host import HostThroughput, host_throughput
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
+from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
 
@@ -173,6 +176,7 @@ def gather(call: Call, target: Target) -> _Gathered:
         measured,
         buffer_digests(model) if in_job else {},
         cublas_workspaces(target.device, mp.dtype),  # after the free memory was read
+        host_throughput(target.device, optimizer) if _weighs_offload(target, request) else None,
     )
     work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
     reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]
@@ -201,13 +205,8 @@ def _decide(
         [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
-    job = Job(
-        target.world_size,
-        target.distributed,
-        num_nodes,
-        target.device.type,
-        own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
-    )
+    inputs = with_host(inputs, reports)
+    job = _job(target, num_nodes)
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)
@@ -231,6 +230,42 @@ def _decide(
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
     return Decision(plan, first, tuple(rungs), tuple(names), bool(unused), num_nodes)
+
+
+def _job(target: Target, num_nodes: int) -> Job:
+    """What decides which strategies the target can use (`strategies.recipes.available`)."""
+    return Job(
+        target.world_size,
+        target.distributed,
+        num_nodes,
+        target.device.type,
+        own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
+    )
+
+
+def _weighs_offload(target: Target, request: Request) -> bool:
+    """Whether CPU offload may be weighed (the node count does not change that)."""
+    offload = Strategy.CPU_OFFLOAD
+    return request.strategy in (None, offload) and offload in available(_job(target, 1))
+
+
+def with_host(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
+    """`inputs` with the slowest rank's host figures for CPU offload (`measure.host`), where
+    every rank measured them; else as they are (the constants)."""
+    measured: list[HostThroughput] = [
+        r.offload_throughput for r in reports if r.offload_throughput is not None
+    ]
+    if not measured or len(measured) < len(reports):
+        return inputs
+    slowest = min(measured, key=lambda h: h.step_bytes_per_s)
+    links = [h.link_bytes_per_s for h in measured]
+    figures: dict[str, Any] = {"host_memory_bytes_per_s": slowest.step_bytes_per_s}
+    if all(link is not None for link in links):
+        figures["host_link_bytes_per_s"] = min(link for link in links if link is not None)
+    hardware = inputs.hardware
+    hardware = replace(hardware, **figures, source=f"{hardware.source}; host figures measured")
+    where = f" (the slowest of {len(reports)} ranks)" if len(reports) > 1 else ""
+    return replace(inputs, hardware=hardware, reasons=(*inputs.reasons, slowest.note + where))
 
 
 def with_cublas(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:

@@ -213,6 +213,8 @@ def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: P
     assert result["strategy"] == "CPU_OFFLOAD", result
     assert result["initialized"], "prepare gave plain python a group of its own"
     assert any("one-rank group of its own (nccl" in r for r in result["reasons"]), result
+    # the host's optimizer step and pinned copies measured for the cost model (measure.host)
+    assert any("pinned copies to cuda" in r for r in result["reasons"]), result
     assert all(math.isfinite(x) for x in result["losses"]), result
     assert result["reserved"] <= result["limit"], result
     # the pinned host memory FSDP2 holds (parameters' and gradients' shards, each rounded up to a
