@@ -205,13 +205,16 @@ model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
 optimizer = torch.optim.AdamW(model.parameters())
 world = resolve(init=True)  # plain python: nothing to initialise
 print("group before:", dist.is_initialized(), world.distributed)
-wrapping = start(model, ["0", "1"], world, Precision.NO, False)
-# the route prepare takes to a wrapper for one process without a group (on a GPU: CPU_OFFLOAD)
-apply(wrapping, optimizer, Strategy.FULL_SHARD, 0)
+wrapping = start(model, ["0", "1"], world, Precision.BF16, False)
+apply(wrapping, optimizer, Strategy.LOCAL, 1)  # the first rung: unwrapped, autocast hooks
+print("local:", dist.is_initialized(), len(wrapping.autocast) > 0)
+# the trial's fallback on one GPU, in place (there: CPU_OFFLOAD; on the CPU its engine, FSDP2)
+apply(wrapping, optimizer, Strategy.FULL_SHARD, 2)
 print("group after:", dist.is_initialized(), dist.get_world_size(), dist.get_backend())
 print("world:", wrapping.world.distributed, wrapping.world.backend, wrapping.world.world_size)
+print("autocast hooks left:", len(wrapping.autocast), "checkpointed:", wrapping.checkpointed)
 print("notes:", wrapping.notes)
-loss = wrapping.model(torch.randn(4, 8)).sum()
+loss = wrapping.model(torch.randn(4, 8)).float().sum()
 loss.backward()
 optimizer.step()
 print("trained:", bool(torch.isfinite(loss)))
@@ -226,8 +229,10 @@ def test_plain_python_gets_a_one_rank_group_of_its_own_destroyed_at_exit(tmp_pat
     returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
     assert returncode == 0, output
     assert "group before: False False" in output, output
+    assert "local: False True" in output, output  # no group for the unwrapped rung
     assert "group after: True 1 gloo" in output, output
     assert "world: True gloo 1" in output, output
+    assert "autocast hooks left: 0 checkpointed: 2" in output, output  # FSDP2's policy instead
     assert "prepare created a one-rank group of its own (gloo, in-process store)" in output
     assert "trained: True" in output, output
     assert "group destroyed at exit: True" in output, output

@@ -203,3 +203,21 @@ def test_none_when_nothing_is_left() -> None:
     assert next_rung(options, options[-1], {("full_shard", 2)}, 100, 150) is None
     # Only the failed rung was on offer (strategy and checkpointing both forced).
     assert next_rung([options[3]], options[3], {("shard_grad_op", 0)}, 100, 150) is None
+
+
+def test_one_gpu_falls_back_from_unwrapped_to_offload_where_no_checkpointing_fits() -> None:
+    """One GPU's ladder (LOCAL, then CPU_OFFLOAD, each with blocks checkpointed): an unwrapped
+    rung that ran out of memory moves to the fastest rung that fits once its estimate is scaled
+    by the shortfall: more checkpointing while that fits, offload beyond."""
+    offload = Strategy.CPU_OFFLOAD
+    options = [
+        rung(Strategy.LOCAL, 0, 100, 1.0),
+        rung(Strategy.LOCAL, 2, 90, 1.1),
+        rung(Strategy.LOCAL, 4, 85, 1.2),
+        rung(offload, 0, 60, 6.0),
+        rung(offload, 4, 50, 6.2),
+    ]
+    # the step needed 110 against an estimate of 100: LOCAL 2/4 scaled is 99, within 100
+    assert next_rung(options, options[0], {("local", 0)}, 100, 110) == options[1]
+    # needed 130: 2/4 and 4/4 scaled are 117 and 110.5: only offload fits (78), and the faster
+    assert next_rung(options, options[0], {("local", 0)}, 100, 130) == options[3]
