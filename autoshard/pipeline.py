@@ -318,7 +318,7 @@ def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | 
 
     one, fit = fits(1)
     if not fit:
-        return None, f"not even one of its {rows} rows fits with {_rung(rung)}"
+        return None, f"not even one of its {rows} rows fits under {_rung(rung)}"
     # between a batch that fits and one that does not, the row count where the line through
     # their needs meets the usable memory (the middle where that line says nothing new), until
     # the two are within 2% or the probes run out
@@ -336,7 +336,7 @@ def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | 
     steps = call.options["accumulation_steps"]
     keep = -(-rows * steps // low)
     return low, (
-        f"{low} of its {rows} rows, with {_rung(rung)} (simulated at "
+        f"{low} of its {rows} rows, under {_rung(rung)} (simulated at "
         f"{', '.join(map(str, sorted(probed)))} rows); accumulation_steps={keep} keeps at least "
         f"the {rows * steps} rows per rank per optimizer step"
     )

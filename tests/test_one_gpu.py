@@ -158,7 +158,7 @@ def test_does_not_fit_names_the_largest_batch_that_fits_found_by_simulation() ->
     with pytest.raises(DoesNotFit):
         autoshard.plan(model, optimizer, batch[: largest + max(1, largest // 50)], **limited)
     message = str(error)
-    assert f"The largest per-rank batch that fits: {largest} of its 16384 rows, with " in message
+    assert f"The largest per-rank batch that fits: {largest} of its 16384 rows, under " in message
     keep = -(-16384 * 2 // largest)
     assert f"accumulation_steps={keep} keeps at least the 32768 rows" in message, message
     assert "simulated at 1, " in message
@@ -168,7 +168,7 @@ def test_does_not_fit_names_the_largest_batch_that_fits_found_by_simulation() ->
     ("rows", "limit", "why"),
     [
         (1, "300MiB", "the example batch is already one row"),
-        (64, "300MiB", "not even one of its 64 rows fits with"),
+        (64, "300MiB", "not even one of its 64 rows fits under"),
     ],
 )
 def test_does_not_fit_says_why_no_smaller_batch_fits(rows: int, limit: str, why: str) -> None:
