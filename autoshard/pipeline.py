@@ -32,7 +32,7 @@ from autoshard.decide.consistent import (
 )
 from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.job import Decision, Ranks, Work
-from autoshard.decide.plan import Candidate, PlanInputs
+from autoshard.decide.plan import Candidate
 from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
     Request,
@@ -42,7 +42,7 @@ from autoshard.decide.validate import (
     check_request,
 )
 from autoshard.io.data import check_dataloader
-from autoshard.measure.cublas import CublasWorkspaces, cublas_workspaces
+from autoshard.measure.cublas import cublas_workspaces, with_cublas
 from autoshard.measure.facts import (
     blocks_reason,
     forced_checkpointing,
@@ -54,7 +54,7 @@ from autoshard.measure.facts import (
     with_resident,
     worst,
 )
-from autoshard.measure.host import HostThroughput, host_throughput
+from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
 from autoshard.strategies.strategy import Strategy
@@ -247,35 +247,6 @@ def _weighs_offload(target: Target, request: Request) -> bool:
     """Whether CPU offload may be weighed (the node count does not change that)."""
     offload = Strategy.CPU_OFFLOAD
     return request.strategy in (None, offload) and offload in available(_job(target, 1))
-
-
-def with_host(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
-    """`inputs` with the slowest rank's host figures for CPU offload (`measure.host`), where
-    every rank measured them; else as they are (the constants)."""
-    measured: list[HostThroughput] = [
-        r.offload_throughput for r in reports if r.offload_throughput is not None
-    ]
-    if not measured or len(measured) < len(reports):
-        return inputs
-    slowest = min(measured, key=lambda h: h.step_bytes_per_s)
-    links = [h.link_bytes_per_s for h in measured]
-    figures: dict[str, Any] = {"host_memory_bytes_per_s": slowest.step_bytes_per_s}
-    if all(link is not None for link in links):
-        figures["host_link_bytes_per_s"] = min(link for link in links if link is not None)
-    hardware = inputs.hardware
-    hardware = replace(hardware, **figures, source=f"{hardware.source}; host figures measured")
-    where = f" (the slowest of {len(reports)} ranks)" if len(reports) > 1 else ""
-    return replace(inputs, hardware=hardware, reasons=(*inputs.reasons, slowest.note + where))
-
-
-def with_cublas(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
-    """`inputs` with the most cuBLAS workspace any rank's step allocates, and its note."""
-    known: list[CublasWorkspaces] = [r.cublas for r in reports if r.cublas is not None]
-    if not known:
-        return inputs
-    most = max(known, key=lambda w: w.nbytes)
-    setting = replace(inputs.setting, library_workspace_bytes=most.nbytes)
-    return replace(inputs, setting=setting, reasons=(*inputs.reasons, most.note))
 
 
 def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | None, str]:

@@ -14,8 +14,7 @@ from autoshard import Strategy
 from autoshard._world import Memory, RankReport
 from autoshard.decide.cost import step_seconds
 from autoshard.decide.hardware import hardware_for
-from autoshard.measure.host import HostThroughput, host_throughput, measure_host
-from autoshard.pipeline import with_host
+from autoshard.measure.host import HostThroughput, host_throughput, measure_host, with_host
 
 GPU = hardware_for("cuda", (9, 0), True)
 

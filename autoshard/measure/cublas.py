@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from autoshard._torch_compat import clear_cublas_workspaces, disable_current_modes
 from autoshard._units import human
+from autoshard._world import RankReport
+from autoshard.decide.plan import PlanInputs
 from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
@@ -120,3 +122,13 @@ def configured_workspace_bytes() -> int | None:
     except ValueError:
         return None
     return sum(size * count for size, count in zip(numbers[::2], numbers[1::2], strict=True)) * 1024
+
+
+def with_cublas(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
+    """`inputs` with the most cuBLAS workspace any rank's step allocates, and its note."""
+    known: list[CublasWorkspaces] = [r.cublas for r in reports if r.cublas is not None]
+    if not known:
+        return inputs
+    most = max(known, key=lambda w: w.nbytes)
+    setting = replace(inputs.setting, library_workspace_bytes=most.nbytes)
+    return replace(inputs, setting=setting, reasons=(*inputs.reasons, most.note))

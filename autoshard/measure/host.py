@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from autoshard._torch_compat import disable_current_modes
 from autoshard._units import human
+from autoshard._world import RankReport
+from autoshard.decide.plan import PlanInputs
 
 logger = logging.getLogger("autoshard")
 
@@ -135,3 +137,22 @@ def _best_of(run: Any, repeats: int) -> float:
         run()
         best = min(best, time.perf_counter() - start)
     return max(best, 1e-9)
+
+
+def with_host(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
+    """`inputs` with the slowest rank's host figures for CPU offload (`measure.host`), where
+    every rank measured them; else as they are (the constants)."""
+    measured: list[HostThroughput] = [
+        r.offload_throughput for r in reports if r.offload_throughput is not None
+    ]
+    if not measured or len(measured) < len(reports):
+        return inputs
+    slowest = min(measured, key=lambda h: h.step_bytes_per_s)
+    links = [h.link_bytes_per_s for h in measured]
+    figures: dict[str, Any] = {"host_memory_bytes_per_s": slowest.step_bytes_per_s}
+    if all(link is not None for link in links):
+        figures["host_link_bytes_per_s"] = min(link for link in links if link is not None)
+    hardware = inputs.hardware
+    hardware = replace(hardware, **figures, source=f"{hardware.source}; host figures measured")
+    where = f" (the slowest of {len(reports)} ranks)" if len(reports) > 1 else ""
+    return replace(inputs, hardware=hardware, reasons=(*inputs.reasons, slowest.note + where))
