@@ -107,6 +107,44 @@ def leading_rows(batch: Any) -> int | None:
     return tensors[0].shape[0] if tensors else None
 
 
+def batch_rows(batch: Any, batch_size: int | None = None) -> tuple[int | None, str]:
+    """The example batch's size along its batch dimension, and how it was found (or why there
+    is none): the leading size its tensors share, or `batch_size` as the caller named it where
+    they do not share one (a shared mask of one row, a table of positions)."""
+    sizes = [t.shape[0] for t in tensors_in(batch) if t.dim() > 0]
+    if not sizes:
+        return None, "the example batch has no tensor with a batch dimension"
+    if batch_size is not None:
+        if batch_size not in sizes:
+            return None, (
+                f"no tensor of the example batch has batch_size={batch_size} rows (their leading "
+                f"sizes: {sorted(set(sizes))})"
+            )
+        return batch_size, f"the {sizes.count(batch_size)} tensor(s) of {batch_size} rows, as named"
+    if len(set(sizes)) > 1:
+        return None, (
+            f"the example batch's tensors differ in their leading size ({sorted(set(sizes))}): "
+            f"name the batch size with batch_size="
+        )
+    return sizes[0], f"the leading dimension its {len(sizes)} tensor(s) share"
+
+
+def resized(batch: Any, rows: int, n: int) -> Any:
+    """`batch` with every tensor of `rows` leading rows cut to its first `n`, or repeated whole
+    and cut to `n` where `n` is more (a probe's batch: only its shapes matter to the plan)."""
+    if n <= rows:
+        return first_rows(batch, rows, n)
+    times = -(-n // rows)
+    return tree_map(
+        lambda x: (
+            torch.cat([x] * times)[:n]
+            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows
+            else x
+        ),
+        batch,
+    )
+
+
 def first_rows(batch: Any, rows: int, n: int) -> Any:
     """`batch` with every tensor of `rows` leading rows cut to its first `n`."""
     return tree_map(

@@ -66,6 +66,8 @@ def prepare(
     trial_step: bool = True,
     dataloader: DataLoader[Any] | None = None,
     accumulation_steps: int = 1,
+    max_batch: bool = False,
+    batch_size: int | None = None,
 ) -> Prepared:
     """Choose the fastest wrapping that fits, apply it, prove it with one trial step.
 
@@ -92,6 +94,11 @@ def prepare(
             beside each micro-batch's activations, and the trial step runs that many, with
             gradient sync off (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`) on all
             but the last.
+        max_batch: also find each candidate's largest per-rank batch that fits (`Plan.max_batch`,
+            `Candidate.max_batch`), by simulating a few batch sizes (seconds each): the same
+            figure on every rank, the least any rank found.
+        batch_size: the example batch's size along its batch dimension, where its tensors'
+            leading sizes differ (default: the leading size they share).
 
     Returns:
         `Prepared(model, optimizer, plan)`, with `.scaler` for fp16.
@@ -111,6 +118,8 @@ def prepare(
         memory_limit=memory_limit,
         trial_step=trial_step,
         accumulation_steps=accumulation_steps,
+        max_batch=max_batch,
+        batch_size=batch_size,
     )
     world = resolve(init=True)
     target = Target(world, world.world_size, world.distributed, world.device, in_job=True)
@@ -161,6 +170,8 @@ def plan(
     device: str | None = None,
     host_memory: int | str | None = None,
     accumulation_steps: int = 1,
+    max_batch: bool = False,
+    batch_size: int | None = None,
 ) -> Plan:
     """Decide only: no process group is needed and nothing is wrapped (what-if planning).
 
@@ -177,6 +188,7 @@ def plan(
         host_memory: host RAM per rank for CPU offload, bytes or "64GiB" (default: measured on
             this machine when it trains on its own GPUs, else not checked).
         accumulation_steps: as for `prepare`: micro-batches per optimizer step.
+        max_batch, batch_size: as for `prepare`: each candidate's largest per-rank batch.
     """
     options = dict(
         strategy=strategy,
@@ -185,6 +197,8 @@ def plan(
         memory_limit=memory_limit,
         trial_step=False,
         accumulation_steps=accumulation_steps,
+        max_batch=max_batch,
+        batch_size=batch_size,
     )
     world = resolve(init=False)
     # Under torchrun or accelerate launch before any process group exists (an Accelerator is

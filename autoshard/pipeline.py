@@ -19,11 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard._batch import batch_for_meta, first_rows, leading_rows
+from autoshard._batch import batch_for_meta, batch_rows, resized
 from autoshard._world import Memory, RankReport, World, local_memory, own_group_note, spanning
 from autoshard.collective import agree
+from autoshard.decide.batch import Key, Largest, Probe, batch_for, largest_batches, with_batches
 from autoshard.decide.blocks import blocks_and_notes
-from autoshard.decide.candidates import all_candidates, check_forced, decide, searched
+from autoshard.decide.candidates import (
+    all_candidates,
+    candidate,
+    check_forced,
+    decide,
+    searched,
+)
 from autoshard.decide.consistent import (
     buffer_digests,
     fingerprint,
@@ -32,7 +39,7 @@ from autoshard.decide.consistent import (
 )
 from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.job import Decision, Ranks, Work
-from autoshard.decide.plan import Candidate
+from autoshard.decide.plan import Plan, PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.validate import (
     Request,
@@ -60,9 +67,6 @@ from autoshard.strategies.recipes import Engine, Job, available, recipe
 from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
-
-# simulations `largest_batch` may run
-MAX_PROBES = 8
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def run(call: Call, target: Target) -> tuple[Decision, Work]:
             f"'{unused[0]}'): under DDP, find_unused_parameters=True"
         )
     try:
-        decision = _decide(gathered, reports, target, reasons, unused)
+        decision = _decide(call, gathered, reports, target, reasons, unused)
     except DoesNotFit as error:
         if not error.tried or target.probe:
             raise
@@ -185,6 +189,7 @@ def gather(call: Call, target: Target) -> _Gathered:
 
 
 def _decide(
+    call: Call,
     gathered: _Gathered,
     reports: list[RankReport],
     target: Target,
@@ -192,6 +197,27 @@ def _decide(
     unused: tuple[str, ...],
 ) -> Decision:
     """Simulate and decide from the agreed reports (the same on every rank)."""
+    request = gathered.work.request
+    inputs, strategies, job, num_nodes = _simulated(gathered, reports, target, reasons)
+    forced_ac = forced_checkpointing(request, inputs.num_blocks)
+    plan = replace(
+        decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=unused
+    )
+    if job.own_group and recipe(plan.strategy).engine is not Engine.NONE and not target.in_job:
+        plan = replace(plan, reasons=(*plan.reasons, own_group_note(str(plan.strategy))))
+    if request.max_batch and not target.probe:
+        plan = _with_max_batch(call, target, plan, inputs.host_usable_bytes)
+    first = plan.chosen
+    rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
+    names = tuple(n for n, _ in gathered.blocks)
+    return Decision(plan, first, tuple(rungs), names, bool(unused), num_nodes)
+
+
+def _simulated(
+    gathered: _Gathered, reports: list[RankReport], target: Target, reasons: list[str]
+) -> tuple[PlanInputs, tuple[Strategy, ...], Job, int]:
+    """The agreed facts with every strategy weighed simulated: the plan's inputs, those
+    strategies, the job and the nodes it spans."""
     work, request = gathered.work, gathered.work.request
     blocks = [m for _, m in gathered.blocks]
     usable, usable_reason = usable_memory(reports, request.memory_limit)
@@ -221,15 +247,77 @@ def _decide(
         if target.in_job and target.world.distributed:  # one process: the simulation says so
             progress(target, f"simulating {', '.join(map(str, strategies))} on fake tensors")
         inputs = with_simulation(inputs, work, names, target.device, strategies, target.in_job)
-    forced_ac = forced_checkpointing(request, len(blocks))
-    plan = replace(
-        decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=unused
-    )
-    if job.own_group and recipe(plan.strategy).engine is not Engine.NONE and not target.in_job:
-        plan = replace(plan, reasons=(*plan.reasons, own_group_note(str(plan.strategy))))
-    first = plan.chosen
-    rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
-    return Decision(plan, first, tuple(rungs), tuple(names), bool(unused), num_nodes)
+    return inputs, strategies, job, num_nodes
+
+
+def _probe(
+    call: Call, target: Target, rows: int, keys: list[Key], usable: int, host: int | None
+) -> Probe:
+    """Plans of the example batch cut or tiled to n rows (`_batch.resized`), in this process
+    alone with the usable memory fixed: each key's need and whether it fits. Where every key
+    is of one strategy, only it is simulated."""
+    strategies = {s for s, _ in keys}
+    one = next(iter(strategies)).value if len(strategies) == 1 else call.options["strategy"]
+    options = call.options | dict(strategy=one, memory_limit=None, trial_step=False)
+    options |= dict(max_batch=False)
+    memory = Memory(usable, usable, "the plan's usable memory", host)
+    alone = replace(target, in_job=False, memory=memory, probe=True)
+
+    def probe(n: int) -> dict[Key, tuple[int, bool]]:
+        cut = replace(call, batch=resized(call.batch, rows, n), options=options, dataloader=None)
+        gathered = gather(cut, alone)
+        inputs = _simulated(gathered, [gathered.report], alone, [])[0]
+        needs = {}
+        for key in keys:
+            c = candidate(inputs, *key)
+            needs[key] = (c.estimated_peak_bytes + c.reserve_bytes, c.fits)
+        return needs
+
+    return probe
+
+
+def _search(
+    call: Call, target: Target, at_rows: dict[Key, tuple[int, bool]], usable: int, host: int | None
+) -> tuple[int | None, str, list[dict[Key, Largest]], list[int]]:
+    """Each key's largest fitting batch on every rank (one dict per rank; in a job each rank
+    searches alike and the agreement gathers them), the batches probed, and the batch's rows and
+    dimension (rows None: nothing searched, and why)."""
+    rows, how = batch_rows(call.batch, call.options["batch_size"])
+    if rows is None:
+        return None, how, [], []
+    keys = list(at_rows)
+    probe = _probe(call, target, rows, keys, usable, host)
+
+    def search() -> tuple[dict[Key, Largest], list[int]]:
+        return largest_batches(keys, rows, at_rows, probe, usable)
+
+    found = agree(target.world, "the largest batch", search) if target.in_job else [search()]
+    return rows, how, [answers for answers, _ in found], found[0][1]
+
+
+def _with_max_batch(call: Call, target: Target, plan: Plan, host: int | None) -> Plan:
+    """`plan` with each candidate's largest per-rank batch (`decide.batch`), the least any rank
+    of a job found, and a reason saying how it was found."""
+    at_rows = {
+        (c.strategy, c.activation_checkpointing): (c.estimated_peak_bytes + c.reserve_bytes, c.fits)
+        for c in plan.candidates
+    }
+    rows, how, answers, probed = _search(call, target, at_rows, plan.device_memory_bytes, host)
+    return with_batches(plan, rows, how, answers, probed)
+
+
+def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | None, str]:
+    """The largest per-rank batch with which a rung of a plan that does not fit would fit, and
+    how it was found: for the rung the host can hold that needs least of the device (rows shrink
+    the device's activations, never the offloaded state on the host)."""
+    host = error.host_usable
+    hosted = [c for c in error.tried if host is None or c.host_bytes <= host] or error.tried
+    rung = min(hosted, key=lambda c: c.estimated_peak_bytes + c.reserve_bytes)
+    key = (rung.strategy, rung.activation_checkpointing)
+    at_rows = {key: (rung.estimated_peak_bytes + rung.reserve_bytes, False)}
+    rows, how, answers, probed = _search(call, target, at_rows, error.usable, host)
+    steps = call.options["accumulation_steps"]
+    return batch_for(rung, rows, how, [a[key] for a in answers], probed, steps)
 
 
 def _job(target: Target, num_nodes: int) -> Job:
@@ -247,74 +335,6 @@ def _weighs_offload(target: Target, request: Request) -> bool:
     """Whether CPU offload may be weighed (the node count does not change that)."""
     offload = Strategy.CPU_OFFLOAD
     return request.strategy in (None, offload) and offload in available(_job(target, 1))
-
-
-def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | None, str]:
-    """The largest per-rank batch with which a rung of a plan that does not fit would fit, along
-    the example batch's leading dimension, and how it was found.
-
-    Found by simulation, not extrapolated: the answer is always a batch simulated and found to
-    fit. The rung is simulated at one row, then where the line between the largest batch known
-    to fit and the smallest known not to meets the usable memory (memory is not linear in the
-    rows everywhere: attention over a sequence, routing, padding), until those two are within
-    2%. Every probe is this pipeline again, on the cut batch with the rung forced and the usable
-    memory fixed: deterministic, so every rank of a job reaches the same figure."""
-    usable, host = error.usable, error.host_usable
-    # the rung that needs least of the device among those the host can hold: rows shrink the
-    # device's activations, never the offloaded state on the host
-    hosted = [c for c in error.tried if host is None or c.host_bytes <= host] or error.tried
-    rung = min(hosted, key=lambda c: c.estimated_peak_bytes + c.reserve_bytes)
-    batch = call.batch
-    rows = leading_rows(batch) if batch is not None else None
-    if rows is None:
-        return None, "the example batch has no tensor with a batch dimension to make smaller"
-    if rows == 1:
-        return None, "the example batch is already one row"
-    options = call.options | dict(
-        strategy=rung.strategy.value,
-        activation_checkpointing=rung.activation_checkpointing,
-        memory_limit=None,
-        trial_step=False,
-    )
-    probe_target = replace(
-        target, in_job=False, memory=Memory(usable, usable, "usable", host), probe=True
-    )
-    probed: list[int] = []
-
-    def fits(n: int) -> tuple[int, bool]:
-        probed.append(n)
-        cut = replace(call, batch=first_rows(batch, rows, n), options=options, dataloader=None)
-        chosen = run(cut, probe_target)[0].plan.chosen
-        return chosen.estimated_peak_bytes + chosen.reserve_bytes, chosen.fits
-
-    one, fit = fits(1)
-    if not fit:
-        return None, f"not even one of its {rows} rows fits under {_rung(rung)}"
-    # between a batch that fits and one that does not, the row count where the line through
-    # their needs meets the usable memory (the middle where that line says nothing new), until
-    # the two are within 2% or the probes run out
-    low, low_need = 1, one
-    high, high_need = rows, rung.estimated_peak_bytes + rung.reserve_bytes
-    while high - low > max(1, low // 50) and len(probed) < MAX_PROBES:
-        slope = (high_need - low_need) / (high - low)
-        guess = low + int((usable - low_need) / slope) if slope > 0 else (low + high) // 2
-        guess = min(max(guess, low + 1), high - 1)
-        guess_need, fit = fits(guess)
-        if fit:
-            low, low_need = guess, guess_need
-        else:
-            high, high_need = guess, guess_need
-    steps = call.options["accumulation_steps"]
-    keep = -(-rows * steps // low)
-    return low, (
-        f"{low} of its {rows} rows, under {_rung(rung)} (simulated at "
-        f"{', '.join(map(str, sorted(probed)))} rows); accumulation_steps={keep} keeps at least "
-        f"the {rows * steps} rows per rank per optimizer step"
-    )
-
-
-def _rung(c: Candidate) -> str:
-    return f"{c.strategy} with {c.activation_checkpointing} block(s) checkpointed"
 
 
 def progress(target: Target, message: str) -> None:

@@ -5,11 +5,17 @@ within its 2% bracket or its probe budget, and share probes between candidates."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import pytest
+import torch
+from test_plan import Tower
 
+import autoshard
 from autoshard.decide.batch import CLOSE_ENOUGH, MAX_PROBES, largest_batches
+from autoshard.decide.render import WIDTH
 
 USABLE = 10_000
 
@@ -89,3 +95,102 @@ def test_not_even_one_row_fits() -> None:
 def test_a_batch_of_one_row_that_does_not_fit_probes_nothing() -> None:
     answers, probed, _ = _search({"huge": lambda n: USABLE + n}, 1)
     assert answers["huge"].rows is None and probed == []
+
+
+# ---------------------------------------------------------------------------------------------
+# plan(..., max_batch=True): every candidate's figure, simulated
+
+
+GPU_PLAN = dict(device="cuda", device_memory="80GiB", host_memory="64GiB", memory_limit="1GiB")
+
+
+@pytest.fixture(scope="module")
+def searched() -> tuple[Any, Any, Any, Any]:
+    with torch.device("meta"):
+        model = Tower(width=512, depth=4)
+        batch = torch.randn(4096, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = autoshard.plan(model, optimizer, batch, max_batch=True, **GPU_PLAN)
+    return model, optimizer, batch, plan
+
+
+def _fits(model: Any, optimizer: Any, rows: int, c: Any) -> bool:
+    with torch.device("meta"):
+        batch = torch.randn(rows, 8)
+    forced = dict(strategy=c.strategy.value, activation_checkpointing=c.activation_checkpointing)
+    return autoshard.plan(model, optimizer, batch, **forced, **GPU_PLAN).chosen.fits
+
+
+def test_every_candidate_s_largest_batch_fits_and_a_little_more_does_not(searched: Any) -> None:
+    model, optimizer, batch, plan = searched
+    assert len(plan.candidates) > 1
+    for c in plan.candidates:
+        assert c.max_batch is not None and c.max_batch > 0, str(plan)
+        assert _fits(model, optimizer, c.max_batch, c), (c.strategy, c.max_batch)
+        # within the search's 2% of the first batch that does not fit (no open bracket here)
+        assert not _fits(model, optimizer, c.max_batch + max(1, c.max_batch // 50), c)
+    assert plan.max_batch == plan.chosen.max_batch
+    reason = next(r for r in plan.reasons if r.startswith("largest per-rank batch"))
+    assert "along the leading dimension its 1 tensor(s) share (4096 rows" in reason, reason
+    assert "at least" not in reason  # every bracket closed
+
+
+def test_the_table_and_the_dict_show_it(searched: Any) -> None:
+    plan = searched[3]
+    header = next(line for line in str(plan).splitlines() if line.startswith("candidate"))
+    assert header.split()[-1] == "batch"
+    assert all(len(line) <= WIDTH for line in str(plan).splitlines()), str(plan)
+    d = plan.to_dict()
+    assert d["max_batch"] == plan.max_batch
+    assert [c["max_batch"] for c in d["candidates"]] == [c.max_batch for c in plan.candidates]
+    # unsearched, no column
+    model, optimizer, batch, _ = searched
+    plain = autoshard.plan(model, optimizer, batch, **GPU_PLAN)
+    assert "batch" not in str(plain).splitlines()[2].split()
+    assert plain.max_batch is None
+
+
+def test_a_batch_without_a_shared_leading_size_is_named_by_the_caller() -> None:
+    class TwoInputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.layer(x) * scale.mean()
+
+    model = TwoInputs()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = (torch.randn(64, 8), torch.ones(3))  # a table of 3 beside 64 rows
+    common = dict(device="cpu", device_memory="1GiB", max_batch=True)
+    plan = autoshard.plan(model, optimizer, batch, **common)
+    assert plan.max_batch is None
+    said = next(r for r in plan.reasons if r.startswith("largest batch not searched"))
+    assert "differ in their leading size ([3, 64]): name the batch size with batch_size=" in said
+    named = autoshard.plan(model, optimizer, batch, batch_size=64, **common)
+    assert named.max_batch is not None and named.max_batch > 64
+    wrong = autoshard.plan(model, optimizer, batch, batch_size=5, **common)
+    assert any("no tensor of the example batch has batch_size=5 rows" in r for r in wrong.reasons)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "text"),
+    [
+        (dict(max_batch="yes"), TypeError, "max_batch must be True or False"),
+        (dict(batch_size=0), ValueError, "batch_size must be a positive int"),
+        (dict(batch_size=True), ValueError, "batch_size must be a positive int"),
+    ],
+)
+def test_bad_max_batch_options_are_refused(options: dict, error: type, text: str) -> None:
+    model = torch.nn.Linear(8, 1)
+    with pytest.raises(error, match=text):
+        autoshard.plan(model, torch.optim.AdamW(model.parameters()), torch.randn(4, 8), **options)
+
+
+def test_the_command_prints_the_batch_column(capsys: pytest.CaptureFixture[str]) -> None:
+    from autoshard import cli
+
+    argv = ["plan", "test_cli:tiny", "--device", "cpu", "--device-memory", "1GiB"]
+    assert cli.main([*argv, "--mixed-precision", "no", "--max-batch", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["max_batch"] is not None and d["max_batch"] > 4

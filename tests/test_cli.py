@@ -66,6 +66,7 @@ def tiny() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
 
 
 PLAN_KEYS = {
+    "max_batch",
     "strategy",
     "mixed_precision",
     "activation_checkpointing",
@@ -82,6 +83,7 @@ PLAN_KEYS = {
     "reasons",
 }
 CANDIDATE_KEYS = {
+    "max_batch",
     "strategy",
     "activation_checkpointing",
     "estimated_peak_bytes",

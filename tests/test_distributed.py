@@ -223,6 +223,24 @@ def test_auto_picks_ddp_when_the_limit_is_generous(decide: Launch) -> None:
     assert_close(mean_losses(ranks), ranks[0]["reference_losses"], RTOL_FP32)
 
 
+def test_max_batch_is_the_same_on_every_rank(decide: Launch) -> None:
+    ranks = decide.case("auto_max_batch")
+    assert ranks[0]["max_batch"] is not None and ranks[0]["max_batch"] > 0, ranks[0]["reasons"]
+    assert all(r["max_batch"] == ranks[0]["max_batch"] for r in ranks)
+    assert all(r["candidates"] == ranks[0]["candidates"] for r in ranks)
+    reason = next(x for x in ranks[0]["reasons"] if x.startswith("largest per-rank batch"))
+    assert "the least of the 2 ranks' figures" in reason, reason
+
+
+def test_does_not_fit_names_the_same_largest_batch_on_every_rank(decide: Launch) -> None:
+    ranks = decide.case("does_not_fit_names_the_largest_batch_on_every_rank")
+    assert all(r["raised"] and r["type"] == "DoesNotFit" for r in ranks), ranks
+    assert ranks[0]["message"] == ranks[1]["message"]
+    # half the least peak, which parameters and optimizer state dominate: no batch helps
+    message = ranks[0]["message"]
+    assert "No smaller per-rank batch was found to fit: not even one of its 8 rows" in message
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. An LR scheduler built before prepare() drives the re-bound optimizer
 

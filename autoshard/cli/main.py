@@ -123,6 +123,12 @@ def _add_plan_parser(sub: Any) -> None:
         help="sequence length, passed to FACTORY(seq_len=...) if it takes it",
     )
     plan.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find each candidate's largest per-rank batch that fits, by simulating a "
+        "few batch sizes (the table's batch column)",
+    )
+    plan.add_argument(
         "--materialize",
         action="store_true",
         help="build the model on this machine's memory instead of the meta device",
@@ -248,6 +254,7 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             strategy=args.strategy,
             mixed_precision=args.mixed_precision,
             activation_checkpointing=args.activation_checkpointing,
+            max_batch=args.max_batch,
         )
     except ValueError as exc:  # autoshard's user-facing errors: bad sizes, impossible settings
         parser.error(str(exc))

@@ -10,7 +10,13 @@ every figure returned is a batch that was simulated and found to fit.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
+
+from autoshard.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from autoshard.decide.plan import Candidate, Plan
 
 # simulations a search may run, all candidates together
 MAX_PROBES = 8
@@ -35,16 +41,18 @@ class Largest:
     bound: int | None
 
 
-Probe = Callable[[int], dict[Hashable, tuple[int, bool]]]
+K = TypeVar("K", bound=Hashable)
+Key = tuple[Strategy, int]  # a candidate: its strategy and checkpointed blocks
+Probe = Callable[[int], dict[Key, tuple[int, bool]]]
 
 
 def largest_batches(
-    keys: Iterable[Hashable],
+    keys: Iterable[K],
     rows: int,
-    at_rows: dict[Hashable, tuple[int, bool]],
-    probe: Probe,
+    at_rows: dict[K, tuple[int, bool]],
+    probe: Callable[[int], dict[K, tuple[int, bool]]],
     usable: int,
-) -> tuple[dict[Hashable, Largest], list[int]]:
+) -> tuple[dict[K, Largest], list[int]]:
     """Each key's largest fitting batch, and the batches probed, in order.
 
     `at_rows` is every key's (need, fits) at the example batch's `rows`, known already. Each probe
@@ -53,13 +61,13 @@ def largest_batches(
     by at most GROWTH times where nothing above it was probed yet.
     """
     keys = list(keys)
-    seen: dict[int, dict[Hashable, tuple[int, bool]]] = {rows: at_rows}
+    seen: dict[int, dict[K, tuple[int, bool]]] = {rows: at_rows}
     probed: list[int] = []
     # Illinois' regula falsi: where a probe moved the same end of a key's bracket as the one
     # before, the other end's distance from the usable memory counts half as much in the next
     # chord (and again, each time), so that a curved need (attention) is not crept up on
-    weights: dict[Hashable, dict[str, float]] = {k: {"low": 1.0, "high": 1.0} for k in keys}
-    last: dict[Hashable, str | None] = dict.fromkeys(keys)
+    weights: dict[K, dict[str, float]] = {k: {"low": 1.0, "high": 1.0} for k in keys}
+    last: dict[K, str | None] = dict.fromkeys(keys)
 
     def run(n: int) -> None:
         before = {k: _bracket(k, seen) for k in keys}
@@ -91,7 +99,7 @@ def largest_batches(
 
 
 def _bracket(
-    key: Hashable, seen: dict[int, dict[Hashable, tuple[int, bool]]]
+    key: K, seen: dict[int, dict[K, tuple[int, bool]]]
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(rows, need) of the largest batch seen to fit and of the smallest seen not to."""
     fit = [(n, r[key][0]) for n, r in seen.items() if r[key][1]]
@@ -100,8 +108,8 @@ def _bracket(
 
 
 def _next(
-    key: Hashable,
-    seen: dict[int, dict[Hashable, tuple[int, bool]]],
+    key: K,
+    seen: dict[int, dict[K, tuple[int, bool]]],
     usable: int,
     weights: dict[str, float],
 ) -> tuple[float, int] | None:
@@ -131,6 +139,71 @@ def _meets(a: tuple[int, float], b: tuple[int, float], usable: int, reach: int) 
     return reach if slope <= 0 else b[0] + int((usable - b[1]) / slope)
 
 
-def _answer(key: Hashable, seen: dict[int, dict[Hashable, tuple[int, bool]]]) -> Largest:
+def _answer(key: K, seen: dict[int, dict[K, tuple[int, bool]]]) -> Largest:
     low, high = _bracket(key, seen)
     return Largest(low[0] if low else None, high[0] if high else None)
+
+
+def with_batches(
+    plan: Plan,
+    rows: int | None,
+    how: str,
+    answers: list[dict[Key, Largest]],
+    probed: list[int],
+) -> Plan:
+    """`plan` with each candidate's largest batch: the least of the ranks' `answers` (one dict
+    per rank), and the reason that says how they were found (or, `rows` None, why not)."""
+    if rows is None:
+        return replace(plan, reasons=(*plan.reasons, f"largest batch not searched: {how}"))
+    candidates, open_ = [], []
+    for c in plan.candidates:
+        found = [a[(c.strategy, c.activation_checkpointing)].rows for a in answers]
+        fitting = [n for n in found if n is not None]
+        least = min(fitting) if len(fitting) == len(found) else None
+        bounds = [a[(c.strategy, c.activation_checkpointing)].bound for a in answers]
+        if least is not None and any(b is None for b in bounds):
+            open_.append(f"{c.strategy} {c.activation_checkpointing}/{plan.num_blocks}")
+        candidates.append(replace(c, max_batch=least))
+    reason = (
+        f"largest per-rank batch each candidate fits: along {how} ({rows} rows in the example "
+        f"batch), simulated at {_listed(probed)} rows"
+    )
+    if open_:
+        reason += (
+            f"; at least that for {', '.join(open_)} (the search stopped at its {MAX_PROBES} "
+            f"simulations before finding a batch that does not fit)"
+        )
+    if len(answers) > 1:
+        reason += f"; the least of the {len(answers)} ranks' figures"
+    return replace(plan, candidates=tuple(candidates), reasons=(*plan.reasons, reason))
+
+
+def batch_for(
+    rung: Candidate,
+    rows: int | None,
+    how: str,
+    answers: list[Largest],
+    probed: list[int],
+    accumulation_steps: int,
+) -> tuple[int | None, str]:
+    """For `DoesNotFit`: the largest batch `rung` fits (the least of the ranks' `answers`) and
+    the sentence that says it, with the accumulation steps that keep the global batch; or None
+    and why no smaller batch fits."""
+    if rows is None:
+        return None, how
+    if rows == 1:
+        return None, "the example batch is already one row"
+    under = f"{rung.strategy} with {rung.activation_checkpointing} block(s) checkpointed"
+    if any(a.rows is None for a in answers):
+        return None, f"not even one of its {rows} rows fits under {under}"
+    low = min(a.rows for a in answers if a.rows is not None)
+    keep = -(-rows * accumulation_steps // low)
+    return low, (
+        f"{low} of its {rows} rows, under {under} (simulated at {_listed(probed)} rows); "
+        f"accumulation_steps={keep} keeps at least the {rows * accumulation_steps} rows per rank "
+        f"per optimizer step"
+    )
+
+
+def _listed(probed: list[int]) -> str:
+    return ", ".join(map(str, sorted(probed)))

@@ -27,6 +27,9 @@ class Candidate:
         host_bytes: host memory per rank under CPU offload, else 0.
         reserve_bytes: memory kept free beside the estimated peak for what depends on timing
             (`reserve_bytes`); not part of the estimate.
+        max_batch: the largest per-rank batch (rows along the example batch's batch dimension)
+            with which it fits, found by simulation (`max_batch=True`); None where not searched
+            or where not even one row fits (the plan's reasons say which).
     """
 
     strategy: Strategy
@@ -36,6 +39,7 @@ class Candidate:
     fits: bool
     host_bytes: int = 0
     reserve_bytes: int = 0
+    max_batch: int | None = None
 
     @property
     def estimated_peak_bytes(self) -> int:
@@ -127,6 +131,11 @@ class Plan:
     # Trainable parameters that got no gradient in the traced step: DDP must then look for them
     # every step (find_unused_parameters=True), or it fails on the second step.
     unused_parameters: tuple[str, ...] = field(default=())
+
+    @property
+    def max_batch(self) -> int | None:
+        """The chosen candidate's largest per-rank batch (`Candidate.max_batch`)."""
+        return self.chosen.max_batch
 
     @property
     def chosen(self) -> Candidate:

@@ -41,7 +41,7 @@ def _cell(value: int, size: int, term: int) -> str:
     return f"{value / size:.2f}"
 
 
-def _legend(unit: str) -> list[str]:
+def _legend(unit: str, batches: bool = False) -> list[str]:
     """What the columns mean, under the table, so that it reads without the README."""
     text = (
         f"{unit} per rank at each candidate's estimated peak; * = chosen; AC = blocks "
@@ -55,13 +55,18 @@ def _legend(unit: str) -> list[str]:
         f"peak plus what is kept free beside it (below) within the usable memory. step: modelled "
         f"step time, for ranking only."
     )
+    if batches:
+        text += " batch: the largest per-rank batch each fits, simulated ('-': not even one row)."
     return textwrap.wrap(text, width=WIDTH, break_on_hyphens=False)
 
 
 def render(plan: Plan) -> str:
-    """The plan as a table: one row per candidate, bytes per rank, the chosen one marked."""
+    """The plan as a table: one row per candidate, bytes per rank, the chosen one marked; with
+    a `batch` column (each one's largest per-rank batch) where that was searched."""
     unit, size = table_unit(max((c.estimated_peak_bytes for c in plan.candidates), default=0))
-    rows: list[tuple[str, ...]] = [_HEADER]
+    batches = any(c.max_batch is not None for c in plan.candidates)
+    header = (*_HEADER, "batch") if batches else _HEADER
+    rows: list[tuple[str, ...]] = [header]
     for c in plan.candidates:
         f = c.footprint
         chosen = (
@@ -86,12 +91,15 @@ def render(plan: Plan) -> str:
                 *(_cell(x, size, i) for i, x in enumerate(terms)),
                 f"{c.step_seconds * 1e3:.1f}ms",
                 "yes" if c.fits else "no",
+                *((str(c.max_batch) if c.max_batch is not None else "-",) if batches else ()),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    # two spaces between columns, one where two would not fit the terminal's width
+    gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= WIDTH else " "
 
     def line(row: tuple[str, ...]) -> str:
-        return "  ".join(
+        return gap.join(
             x.ljust(w) if i == 0 else x.rjust(w)
             for i, (x, w) in enumerate(zip(row, widths, strict=True))
         )
@@ -106,7 +114,7 @@ def render(plan: Plan) -> str:
         + (f"; measured {human(measured)}" if measured is not None else ""),
         line(rows[0]),
         *(line(row) for row in rows[1:]),
-        *_legend(unit),
+        *_legend(unit, batches),
     ]
     for attempt in plan.attempts:
         peak = attempt.measured_peak_bytes
@@ -128,6 +136,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "fits": c.fits,
         "host_bytes": c.host_bytes,
         "reserve_bytes": c.reserve_bytes,
+        "max_batch": c.max_batch,
     }
 
 
@@ -143,6 +152,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "device_memory_bytes": plan.device_memory_bytes,
         "world_size": plan.world_size,
         "num_blocks": plan.num_blocks,
+        "max_batch": plan.max_batch,
         "chosen": candidate_dict(plan.chosen),
         "candidates": [candidate_dict(c) for c in plan.candidates],
         "attempts": [

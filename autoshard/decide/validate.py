@@ -25,6 +25,8 @@ class Request:
     activation_checkpointing: int | None
     memory_limit: int | None
     accumulation_steps: int = 1  # micro-batches whose gradients are summed before each step
+    max_batch: bool = False  # search every candidate's largest per-rank batch
+    batch_size: int | None = None  # the example batch's size, named where it is ambiguous
 
 
 def check_model(model: Any, *, allow_meta: bool = False) -> None:
@@ -127,6 +129,8 @@ def check_request(
     loss_fn: Any,
     trial_step: Any,
     accumulation_steps: Any = 1,
+    max_batch: Any = False,
+    batch_size: Any = None,
 ) -> Request:
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, batch), got {loss_fn!r}")
@@ -139,7 +143,29 @@ def check_request(
         activation_checkpointing=_parse_checkpointing(activation_checkpointing),
         memory_limit=None if memory_limit is None else parse_bytes(memory_limit),
         accumulation_steps=_parse_accumulation(accumulation_steps),
+        max_batch=_parse_max_batch(max_batch),
+        batch_size=_parse_batch_size(batch_size),
     )
+
+
+def _parse_max_batch(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"max_batch must be True or False (search each candidate's largest per-rank batch), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _parse_batch_size(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"batch_size must be a positive int, the example batch's size along its batch "
+            f"dimension (or None: the leading size its tensors share), got {value!r}"
+        )
+    return value
 
 
 def _parse_accumulation(value: Any) -> int:

@@ -119,6 +119,40 @@ def auto_generous_limit() -> dict[str, Any]:
     return _auto(_estimates["generous"])
 
 
+@cases.case
+def auto_max_batch() -> dict[str, Any]:
+    """Each candidate's largest batch, searched on every rank and agreed (the least)."""
+    model, optimizer = build(WIDTH, DEPTH)
+    batch = local_batches(1)[0]
+    _, _, plan = autoshard.prepare(
+        model,
+        optimizer,
+        batch,
+        memory_limit=_estimates["between"],
+        mixed_precision="no",
+        max_batch=True,
+        trial_step=False,
+    )
+    return {
+        "max_batch": plan.max_batch,
+        "candidates": [
+            (c.strategy.value, c.activation_checkpointing, c.max_batch) for c in plan.candidates
+        ],
+        "reasons": list(plan.reasons),
+    }
+
+
+@cases.case
+def does_not_fit_names_the_largest_batch_on_every_rank() -> dict[str, Any]:
+    model, optimizer = build(WIDTH, DEPTH)
+    limit = min(_estimates["peaks"].values()) // 2
+    return error_of(
+        lambda: autoshard.prepare(
+            model, optimizer, local_batches(1)[0], memory_limit=limit, mixed_precision="no"
+        )
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input on one rank: every rank raises, none waits for the others
 
