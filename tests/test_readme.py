@@ -61,7 +61,11 @@ SNIPPETS = [
         "a fragment: model, optimizer and batch are "
         "the reader's; train.py below is the complete script",
     ),
-    Snippet("trial_step=True, dataloader=None, accumulation_steps=1)", None, "a signature"),
+    Snippet(
+        "trial_step=True, dataloader=None, accumulation_steps=1, max_batch=False,",
+        None,
+        "a signature",
+    ),
     Snippet("prepared = autoshard.prepare(model, optimizer, example_batch=batch)", "train.py"),
     Snippet("from autoshard.cli.demo import plan_example", "plan_example.py"),
     Snippet("autoshard.save(path, model, optimizer=None) -> pathlib.Path", None, "a signature"),
@@ -108,9 +112,8 @@ NOT_RUN = {
     "autoshard demo [--nproc N] [--steps 40] [--batch-size 16] [--strategy auto] ...": "a synopsis",
     "autoshard plan MODULE:FACTORY [--world-size N] [--nodes M] [--device-memory 80GiB] "
     "[--device cuda|cpu] [--host-memory 64GiB] [--batch-size B] [--seq-len S] "
-    "[--memory-limit ...] [--strategy ...] [--mixed-precision ...] [--materialize] [--json]": (
-        "a synopsis"
-    ),
+    "[--memory-limit ...] [--strategy ...] [--mixed-precision ...] [--max-batch] "
+    "[--materialize] [--json]": ("a synopsis"),
     "python -m autoshard ...": "a synopsis",
     "autoshard demo --memory-limit 4MiB": "exits 2 by design; tests/test_cli.py runs it",
     "autoshard plan ... --json": "a synopsis; tests/test_cli.py runs `autoshard plan --json`",
