@@ -93,7 +93,7 @@ class Target:
     num_nodes: int | None = None  # None: from the ranks' hosts and the launcher's layout
     memory: Memory | None = None  # the device memory per rank; None: measured on each rank
     simulate: bool = True  # False: a what-if for another size inside a job, by formula
-    probe: bool = False  # one of `largest_batch`'s probes: silent, and no search of its own
+    probe: bool = False  # a batch-size probe (`_probe`): silent, and no search of its own
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,9 @@ def _probe(
     is of one strategy, only it is simulated."""
     strategies = {s for s, _ in keys}
     one = next(iter(strategies)).value if len(strategies) == 1 else call.options["strategy"]
-    options = call.options | dict(strategy=one, memory_limit=None, trial_step=False)
-    options |= dict(max_batch=False)
+    options = call.options | dict(
+        strategy=one, memory_limit=None, trial_step=False, max_batch=False
+    )
     memory = Memory(usable, usable, "the plan's usable memory", host)
     alone = replace(target, in_job=False, memory=memory, probe=True)
 
