@@ -194,3 +194,32 @@ def test_the_command_prints_the_batch_column(capsys: pytest.CaptureFixture[str])
     assert cli.main([*argv, "--mixed-precision", "no", "--max-batch", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["max_batch"] is not None and d["max_batch"] > 4
+
+
+# ---------------------------------------------------------------------------------------------
+# the batch dimension (`_batch.batch_rows`) and the probes' batches (`_batch.resized`)
+
+
+def test_the_batch_dimension_is_the_leading_size_the_tensors_share() -> None:
+    from autoshard._batch import batch_rows
+
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    assert batch_rows({"input_ids": ids, "labels": ids})[0] == 8
+    assert batch_rows((torch.randn(8, 3), torch.zeros(8)))[0] == 8
+    rows, why = batch_rows({"x": torch.randn(8, 3), "mask": torch.ones(1, 16)})
+    assert rows is None and "differ in their leading size ([1, 8])" in why
+    assert batch_rows({"x": torch.randn(8, 3), "mask": torch.ones(1, 16)}, batch_size=8)[0] == 8
+    rows, why = batch_rows((torch.tensor(3.0), 5))  # a scalar and a number: nothing to cut
+    assert rows is None and "no tensor with a batch dimension" in why
+
+
+def test_a_probe_s_batch_is_cut_or_tiled_along_it_only() -> None:
+    from autoshard._batch import resized
+
+    batch = {"x": torch.arange(8).reshape(4, 2), "table": torch.arange(3), "n": 7}
+    cut = resized(batch, 4, 3)
+    assert cut["x"].tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert cut["table"].tolist() == [0, 1, 2] and cut["n"] == 7  # not of the batch's rows
+    grown = resized(batch, 4, 10)
+    assert grown["x"].shape == (10, 2) and grown["x"][4:8].equal(batch["x"])
+    assert grown["table"].tolist() == [0, 1, 2]
