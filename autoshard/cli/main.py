@@ -170,7 +170,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "--nproc-per-node",
         str(nproc),
         "-m",
-        "autoshard.cli.demo",
+        "autoshard.cli.demo_rank",
         *demo_argv,
     ]
     print("autoshard demo: launching", " ".join(cmd[1:]), flush=True)

@@ -97,7 +97,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=_positive_int, default=5)
 
 
-def build_parser(prog: str = "python -m autoshard.cli.demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m autoshard.cli.demo_rank") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_options(parser)
     return parser
