@@ -147,11 +147,19 @@ def prepare(
         put_back_grads(model, grads)
     final = after_trial(plan_, result.chosen, result.attempts, result.measured_peak, result.notes)
     if world.rank == 0:
-        logger.info("prepared:\n%s", final)
-        for reason in final.reasons:
-            if reason.startswith("warning: the trial step measured"):
-                logger.warning(reason)
+        _log(final)
     return Prepared(wrapping.model, optimizer, final, wrapping.scaler)
+
+
+def _log(final: Plan) -> None:
+    """The plan at INFO; a trial that measured more than the estimate as a WARNING too, unless
+    the plan just logged carries it already (its reasons): said once either way."""
+    logger.info("prepared:\n%s", final)
+    if logger.isEnabledFor(logging.INFO):
+        return
+    for reason in final.reasons:
+        if reason.startswith("warning: the trial step measured"):
+            logger.warning(reason)
 
 
 def plan(

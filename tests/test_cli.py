@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -195,3 +196,25 @@ def test_prepare_says_what_it_is_doing(caplog: pytest.LogCaptureFixture) -> None
         "chose LOCAL with 0/0 blocks checkpointed; wrapping the model; running the trial step"
     )
     assert said[-1].startswith("prepared:\nautoshard plan: LOCAL"), said
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
+def test_a_trial_above_the_estimate_is_said_once(
+    level: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo on a GPU printed the trial's warning twice: in the plan logged at INFO, and by
+    the logger again. Shown at INFO the plan carries it; at WARNING the warning alone does."""
+    from autoshard import api
+
+    real = api.prove
+
+    def over(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(result, measured_peak=10 * result.chosen.estimated_peak_bytes)
+
+    monkeypatch.setattr(api, "prove", over)
+    model, optimizer, batch = tiny()
+    with caplog.at_level(level, logger="autoshard"):
+        autoshard.prepare(model, optimizer, batch, mixed_precision="no")
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name == "autoshard")
+    assert said.count("warning: the trial step measured") == 1, said
