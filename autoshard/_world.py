@@ -231,3 +231,5 @@ class RankReport:
     cublas: Any = None
     # this host's throughput for CPU offload (`measure.host`); None where offload is not weighed
     offload_throughput: Any = None
+    # this rank's GPU throughput for the cost model (`measure.device`); None off CUDA
+    device_throughput: Any = None

@@ -50,6 +50,7 @@ from autoshard.decide.validate import (
 )
 from autoshard.io.data import check_dataloader
 from autoshard.measure.cublas import cublas_workspaces, with_cublas
+from autoshard.measure.device import device_throughput, with_device
 from autoshard.measure.facts import (
     blocks_reason,
     forced_checkpointing,
@@ -181,6 +182,7 @@ def gather(call: Call, target: Target) -> _Gathered:
         buffer_digests(model) if in_job else {},
         cublas_workspaces(target.device, mp.dtype),  # after the free memory was read
         host_throughput(target.device, optimizer) if _weighs_offload(target, request) else None,
+        device_throughput(target.device, mp.dtype),
     )
     work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
     reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]
@@ -231,7 +233,7 @@ def _simulated(
         [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
-    inputs = with_host(inputs, reports)
+    inputs = with_device(with_host(inputs, reports), reports)
     job = _job(target, num_nodes)
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation

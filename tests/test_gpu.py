@@ -221,3 +221,18 @@ def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: P
     # power of two by the host allocator) is within what the plan counted for the host, which
     # adds the pageable optimizer state
     assert 0 < result["pinned"] <= result["host_bytes"], result
+
+
+def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None:
+    """Issue 26: the cost model's FLOP/s and bandwidth are measured on the device at prepare
+    (once per process), and the plan's choice says so."""
+    from autoshard.measure.device import device_throughput
+
+    device = _device()
+    figures = device_throughput(device, torch.bfloat16)
+    assert figures is not None and figures.flops_per_s and figures.memory_bytes_per_s
+    assert figures.flops_per_s > 1e12 and figures.memory_bytes_per_s > 1e11  # a GPU, not a CPU
+    model, optimizer, batch = checks.setup(device, width=256, blocks=2, rows=256)
+    _, _, plan = autoshard.prepare(model, optimizer, batch, loss_fn=checks.loss_fn)
+    chose = next(r for r in plan.reasons if r.startswith("chose "))
+    assert f"FLOP/s and memory bandwidth measured on {device}" in chose, chose

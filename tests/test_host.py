@@ -56,7 +56,7 @@ def test_the_slowest_rank_s_figures_are_the_plan_s_and_slow_the_offload_rung() -
     taken = with_host(inputs, [_report(0, fast), _report(1, slow)])
     assert taken.hardware.host_memory_bytes_per_s == 1e9
     assert taken.hardware.host_link_bytes_per_s == 5e9
-    assert "host figures measured" in taken.hardware.source
+    assert "the host's optimizer step and pinned link measured" in taken.hardware.source
     assert taken.reasons[-1] == "slow host (the slowest of 2 ranks)"
     # the cost model reads them: offload is slower on the slow host, DDP does not change
     before, after = (step_seconds(i, Strategy.CPU_OFFLOAD, 0) for i in (inputs, taken))

@@ -187,7 +187,7 @@ def decide(
         if not fitting:
             raise DoesNotFit.from_estimate(inputs, shown)
         chosen = min(fitting, key=lambda c: c.step_seconds)
-        reasons.append(_why(chosen, shown))
+        reasons.append(_why(chosen, shown, inputs.hardware.source))
     return Plan(
         strategy=chosen.strategy,
         mixed_precision=inputs.mixed_precision,
@@ -203,14 +203,17 @@ def decide(
     )
 
 
-def _why(chosen: Candidate, shown: list[Candidate]) -> str:
+def _why(chosen: Candidate, shown: list[Candidate], cost_model: str) -> str:
     faster = [c for c in shown if c.step_seconds < chosen.step_seconds and not c.fits]
     ac = (
         f" with {chosen.activation_checkpointing} block(s) checkpointed"
         if chosen.activation_checkpointing
         else ""
     )
-    text = f"chose {chosen.strategy}{ac}: the fastest candidate whose estimated peak fits"
+    text = (
+        f"chose {chosen.strategy}{ac}: the fastest candidate whose estimated peak fits (step "
+        f"times modelled from {cost_model})"
+    )
     if chosen.reserve_bytes:
         text += (
             f", with {human(chosen.reserve_bytes)} per rank kept free beside it (a unit's "

@@ -153,6 +153,10 @@ def with_host(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     if all(link is not None for link in links):
         figures["host_link_bytes_per_s"] = min(link for link in links if link is not None)
     hardware = inputs.hardware
-    hardware = replace(hardware, **figures, source=f"{hardware.source}; host figures measured")
+    hardware = replace(
+        hardware,
+        **figures,
+        source=f"{hardware.source} (the host's optimizer step and pinned link measured)",
+    )
     where = f" (the slowest of {len(reports)} ranks)" if len(reports) > 1 else ""
     return replace(inputs, hardware=hardware, reasons=(*inputs.reasons, slowest.note + where))
