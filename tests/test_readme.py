@@ -113,10 +113,12 @@ NOT_RUN = {
     "autoshard plan MODULE:FACTORY [--world-size N] [--nodes M] [--device-memory 80GiB] "
     "[--device cuda|cpu] [--host-memory 64GiB] [--batch-size B] [--seq-len S] "
     "[--memory-limit ...] [--strategy ...] [--mixed-precision ...] [--max-batch] "
-    "[--materialize] [--json]": ("a synopsis"),
+    "[--materialize] [--json] [--plot FILE.png]": ("a synopsis"),
     "python -m autoshard ...": "a synopsis",
     "autoshard demo --memory-limit 4MiB": "exits 2 by design; tests/test_cli.py runs it",
     "autoshard plan ... --json": "a synopsis; tests/test_cli.py runs `autoshard plan --json`",
+    "autoshard plan ... --plot plan.png": "a synopsis; tests/test_plot.py runs `--plot`",
+    'pip install "autoshard[plot]"': "installs into the reader's own environment",
     "accelerate launch --cpu --num_processes 2": "quoted as what not to do",
     "torchrun --nproc-per-node 2": "a launcher named in prose, with the script named beside it",
     # Benchmarks take minutes at the README's sizes (see the README's Benchmarks section);

@@ -33,6 +33,7 @@ from autoshard.cli.options import (
     add_options,
     options_to_argv,
 )
+from autoshard.decide import plot
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -138,6 +139,13 @@ def _add_plan_parser(sub: Any) -> None:
         action="store_true",
         help="print the plan as JSON (Plan.to_dict()) instead of the table",
     )
+    plan.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw each candidate's memory by term against the usable memory "
+        '(Plan.plot) into FILE.png; needs matplotlib: pip install "autoshard[plot]"',
+    )
     add_decision_options(plan)
     plan.set_defaults(run=_run_plan, subparser=plan)
 
@@ -238,6 +246,8 @@ def _load_factory(
 
 def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="autoshard: %(message)s", stream=sys.stderr)
+    if args.plot is not None:
+        _check_plot(parser, args.plot)  # before the minutes a large plan may take
     model, optimizer, batch = _load_factory(parser, args.factory, args)
     device = args.device or ("cuda" if args.device_memory is not None else None)
     try:
@@ -259,7 +269,21 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:  # autoshard's user-facing errors: bad sizes, impossible settings
         parser.error(str(exc))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    if args.plot is not None:
+        plan.plot(args.plot)
+        print(f"autoshard plan: drew the plan in {args.plot}", file=sys.stderr)
     return 0
+
+
+def _check_plot(parser: argparse.ArgumentParser, path: str) -> None:
+    """--plot's matplotlib and folder, checked before planning."""
+    try:
+        plot.require_matplotlib()
+    except ImportError as exc:
+        parser.error(f"--plot: {exc}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"--plot {path}: the folder {folder} does not exist")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
