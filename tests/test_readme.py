@@ -118,6 +118,8 @@ NOT_RUN = {
     "autoshard demo --memory-limit 4MiB": "exits 2 by design; tests/test_cli.py runs it",
     "autoshard plan ... --json": "a synopsis; tests/test_cli.py runs `autoshard plan --json`",
     "autoshard plan ... --plot plan.png": "a synopsis; tests/test_plot.py runs `--plot`",
+    "autoshard plan ... --max-batch": "a synopsis; tests/test_batch_size.py runs `--max-batch`",
+    "torchrun --nproc-per-node 8 train.py": "needs 8 GPUs; the 2-rank form runs here",
     'pip install "autoshard[plot]"': "installs into the reader's own environment",
     "accelerate launch --cpu --num_processes 2": "quoted as what not to do",
     "torchrun --nproc-per-node 2": "a launcher named in prose, with the script named beside it",
