@@ -54,7 +54,7 @@ from autoshard._units import parse_bytes
 from autoshard.decide.precision import REQUESTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _bench as common  # noqa: E402
 import zoo  # noqa: E402
 
 MANUAL = ("ddp", "shard_grad_op", "full_shard")

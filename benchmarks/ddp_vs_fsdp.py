@@ -31,7 +31,7 @@ import autoshard
 from autoshard.decide.precision import REQUESTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _bench as common  # noqa: E402
 import zoo  # noqa: E402
 
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard")

@@ -65,7 +65,7 @@ from torch import nn
 import autoshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _bench as common  # noqa: E402
 import zoo  # noqa: E402
 import zoo_external  # noqa: E402
 from _live_bytes import AllocatorProfile  # noqa: E402

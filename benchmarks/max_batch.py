@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # a plain checkout: autoshard need not be installed
-import _common as common  # noqa: E402
+import _bench as common  # noqa: E402
 import zoo  # noqa: E402
 import zoo_external  # noqa: E402
 from _live_bytes import AllocatorProfile  # noqa: E402
