@@ -12,7 +12,6 @@ agreed across ranks (the slowest rank's), and says which it used (`Plan.cost_mod
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -22,6 +21,7 @@ from autoshard._torch_compat import disable_current_modes
 from autoshard._world import RankReport
 from autoshard.decide.hardware import Throughput
 from autoshard.decide.plan import PlanInputs
+from autoshard.measure.host import fastest_of
 from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
@@ -76,16 +76,14 @@ def _copy_rate(device: torch.device) -> float:
 
 
 def _fastest(device: torch.device, run: Callable[[], object]) -> float:
-    """The fastest of a few synchronised runs after a warm-up, in seconds."""
-    run()
-    torch.cuda.synchronize(device)
-    best = float("inf")
-    for _ in range(_REPEATS):
-        start = time.perf_counter()
+    """The fastest of a few runs, each synchronised, after a warm-up, in seconds."""
+
+    def synchronised() -> None:
         run()
         torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+
+    synchronised()
+    return fastest_of(synchronised, _REPEATS)
 
 
 def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:

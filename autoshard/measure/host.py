@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -102,7 +103,7 @@ def _step_rate(optimizer: torch.optim.Optimizer) -> tuple[float, str]:
         if isinstance(t, torch.Tensor)
     )
     touched = 2 * (state + 2 * sum(p.numel() * p.element_size() for p in params))
-    seconds = _best_of(probe.step, 2)
+    seconds = fastest_of(probe.step, 2)
     return touched / seconds, which
 
 
@@ -126,10 +127,10 @@ def _link_rate(device: torch.device) -> float:
         torch.cuda.synchronize(device)
 
     copy()
-    return _LINK_BYTES / _best_of(copy, 3)
+    return _LINK_BYTES / fastest_of(copy, 3)
 
 
-def _best_of(run: Any, repeats: int) -> float:
+def fastest_of(run: Callable[[], object], repeats: int) -> float:
     """The fastest of `repeats` runs, in seconds: a busy host slows some runs, never speeds one."""
     best = math.inf
     for _ in range(repeats):
