@@ -1,0 +1,145 @@
+"""The exit teardown waits for gloo's worker threads before the interpreter finalises: a worker
+that releases a collective's tensors after finalisation has begun aborts the process
+(`terminate called without an active exception`), see autoshard/_teardown.py."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import REPO, run_tree
+
+from autoshard import _teardown
+from autoshard._teardown import _FUTEX, _WORKER_NAME, _idle_wait, _wait_for_gloo_workers
+
+TASKS = Path("/proc/self/task")
+linux_proc = pytest.mark.skipif(
+    platform.machine() not in _FUTEX or not TASKS.is_dir(),
+    reason="reads threads' waits from Linux's /proc on x86_64 or aarch64",
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "idle"),
+    [
+        ("202 0x55a0c715e310 0x189 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f67", "0x55a0c715e310"),
+        ("202 0x55a0c715e310 0x80 0x2 0x0 0x0 0x0 0x7ffd 0x7f67", "0x55a0c715e310"),
+        ("202 0x7f1c 0x189 0x0 0x7f6758213b10 0x0 0xffffffff 0x7ffd 0x7f67", None),  # timed
+        ("202 0x7f1c 0x81 0x1 0x0 0x0 0x0 0x7ffd 0x7f67", None),  # a wake, not a wait
+        ("232 0x6 0x7f6758213b80 0x40 0xa 0x0 0x0 0x7ffd 0x7f67", None),  # epoll_wait
+        ("running", None),
+        ("-1 0x7ffd 0x7f67", None),
+        (None, None),  # the thread has gone
+    ],
+)
+def test_idle_wait_is_a_futex_wait_without_a_timeout(line: str | None, idle: str | None) -> None:
+    assert _idle_wait(line, 202) == idle
+
+
+def _name_thread(name: str) -> None:
+    (TASKS / str(threading.get_native_id()) / "comm").write_text(name)
+
+
+@pytest.fixture
+def stand_in() -> Iterator[tuple[threading.Event, list[str]]]:
+    """A thread named as a gloo worker: busy (a timed wait, as for the GIL) until `release` is
+    set, then idle (an untimed wait); `log` holds its /proc task, then "idle" once it went idle."""
+    release, done, named = threading.Event(), threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def run() -> None:
+        _name_thread(_WORKER_NAME)
+        log.append(str(threading.get_native_id()))
+        named.set()
+        while not release.wait(timeout=60):
+            pass
+        log.append("idle")
+        done.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    named.wait()
+    yield release, log
+    release.set()
+    done.set()
+    thread.join()
+
+
+@linux_proc
+def test_the_wait_returns_only_once_every_worker_is_idle(
+    stand_in: tuple[threading.Event, list[str]],
+) -> None:
+    release, log = stand_in
+    threading.Timer(0.05, release.set).start()  # however late it comes, the wait outlasts it
+    assert _wait_for_gloo_workers(600.0) == []
+    assert log[1:] == ["idle"]
+
+
+@linux_proc
+def test_a_worker_busy_past_the_limit_is_given_up_on(
+    stand_in: tuple[threading.Event, list[str]],
+) -> None:
+    _, log = stand_in
+    busy = _wait_for_gloo_workers(0.02)
+    assert TASKS / log[0] in busy
+    assert log[1:] == []
+
+
+@linux_proc
+def test_real_gloo_workers_are_found_and_go_idle_after_a_collective() -> None:
+    """The thread name and the wait this module reads are torch's, on every torch it supports."""
+    group: Any = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    try:
+        tensor = torch.ones(1024)
+        group.allreduce([tensor]).wait()
+        workers = [t for t in TASKS.iterdir() if _teardown._read(t / "comm") == _WORKER_NAME]
+        assert workers, f"no thread named {_WORKER_NAME}: torch renamed gloo's workers"
+        assert _wait_for_gloo_workers(600.0) == []
+    finally:
+        del group
+
+
+EXIT_SCRIPT = """
+import atexit, threading, torch.distributed as dist
+from autoshard import _teardown
+
+# registered before the teardown, so it runs after it (atexit runs last-in, first-out)
+atexit.register(lambda: print("after teardown", flush=True))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+_teardown.destroy_at_exit()  # as prepare does when it created the group
+_teardown._WORKER_WAIT_S = 600.0  # the stand-in's busy spell ends first, however slow the machine
+keep = dist.group.WORLD  # as a DDP wrapper: destroy_process_group cannot join gloo's threads
+named = threading.Event()
+
+def worker():  # a gloo worker still releasing its last collective when the script ends
+    path = f"/proc/self/task/{threading.get_native_id()}/comm"
+    open(path, "w").write(_teardown._WORKER_NAME)
+    named.set()
+    threading.Event().wait(timeout=0.5)  # busy: a timed wait, as for the GIL
+    print("worker idle", flush=True)
+    threading.Event().wait()
+
+threading.Thread(target=worker, daemon=True).start()
+named.wait()
+"""
+
+
+@linux_proc
+def test_exit_waits_for_a_worker_that_is_still_busy(tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= dict(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
+    assert returncode == 0, output
+    lines = [line for line in output.splitlines() if line in ("worker idle", "after teardown")]
+    assert lines == ["worker idle", "after teardown"], output
