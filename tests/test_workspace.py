@@ -78,6 +78,42 @@ def test_simulated_peak_equals_the_allocators_peak_of_the_real_call() -> None:
     assert _tracked_peak(workspace=True) == inputs + real  # all of it, at the call
 
 
+def test_a_bf16_matrix_product_on_cpu_is_measured_and_counted_at_the_call() -> None:
+    """Without native bf16 the product converts through fp32 buffers of its own; with it, it may
+    hold nothing beyond its output: either way the simulation holds what the allocator saw."""
+    a, b = torch.randn(260, 64, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16)
+    torch.mm(a, b)  # kernels built before the measured call
+    gc.collect()
+    with AllocatorProfile() as prof:
+        with prof.window("call"):
+            out = torch.mm(a, b)
+        del out
+    real = prof.live_bytes("call").peak
+
+    with FakeTensorMode():
+        fa = torch.zeros(a.shape, dtype=a.dtype)
+        fb = torch.zeros(b.shape, dtype=b.dtype)
+        tracker = MemTracker()
+        tracker.track_external(fa, fb)
+        with tracker, Workspace(CPU):
+            out = torch.mm(fa, fb)
+        del out
+    peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    assert [key[1] for key in workspace._measured] == ["aten.mm.default"]
+    assert peak == a.nbytes + b.nbytes + real
+
+
+def test_fp32_matrix_products_and_cuda_plans_are_not_probed() -> None:
+    with FakeTensorMode():
+        a, b = torch.zeros(8, 8), torch.zeros(8, 8)
+        with Workspace(CPU):
+            torch.mm(a, b)
+        with Workspace(torch.device("cuda")):  # cuBLAS's workspace is counted apart
+            torch.mm(a.bfloat16(), b.bfloat16())
+    assert workspace._measured == {}
+    assert unmeasured_note(CPU) is None and unmeasured_note(torch.device("cuda")) is None
+
+
 def _collective_peak(device: torch.device, collective: str) -> tuple[int, int, int]:
     """(the tracker's peak over one fake collective under `Workspace(device)`, its input's and
     its output's bytes), on a fake process group of 2 ranks."""
