@@ -11,9 +11,10 @@ DDP wrapper or an FSDP2 mesh the script still holds keeps the group alive. A glo
 releases a finished collective's tensors after it has woken the caller (`ProcessGroupGloo::
 runLoop`), and releasing a tensor Python also holds takes the GIL. If that release comes after
 finalisation has begun, the thread is made to exit inside a noexcept destructor and the process
-aborts with the same message (torch 2.11 to 2.15; pytorch/pytorch#190489: the last collective of
-`autoshard.load` before exit, about 1 run in 100 under load). So the teardown also waits, the GIL
-released, until every gloo worker thread sleeps waiting for work (`_wait_for_gloo_workers`).
+aborts with the same message (pytorch/pytorch#190489; CI hit it once, torch 2.11, the README's
+checkpoint snippet on 2 ranks; made to happen on 2.11, 2.13 and 2.15 by starving the workers). So
+the teardown also waits, the GIL released, until every gloo worker thread sleeps waiting for work
+(`_wait_for_gloo_workers`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch.distributed as dist
 
 _created: list[object] = []  # the default group prepare created, if any
 
-_WORKER_NAME = "pt_gloo_runloop"  # c10::setThreadName in ProcessGroupGloo's constructor
+_WORKER_NAME = "pt_gloo_runloop"  # the name torch gives gloo's worker threads (tests check it)
 _WORKER_WAIT_S = 2.0  # a worker busy this long is in a collective that will not end at exit
 # futex(2)'s number; /proc/<pid>/task/<tid>/syscall gives it with the arguments of the call
 _FUTEX = {"x86_64": 202, "aarch64": 98}
-_FUTEX_WAITS = {0, 9}  # FUTEX_WAIT (musl condition variables), FUTEX_WAIT_BITSET (glibc's)
+_FUTEX_WAITS = {0, 9}  # FUTEX_WAIT, FUTEX_WAIT_BITSET (glibc's condition variables)
 
 
 def destroy_at_exit() -> None:
