@@ -4,7 +4,8 @@ A script that exits with the gloo group still alive lets the interpreter destroy
 finalisation, in whatever order objects go; with torch 2.13 that aborted about 1 exit in 10
 (`terminate called without an active exception`). `destroy_process_group` shuts the backend down
 first (its threads joined), so what finalisation destroys later is inert. No collective runs here:
-a rank that exits after a failure must not wait for the others.
+a rank that exits after a failure must not wait for the others (it waits at most
+`_WORKER_WAIT_S` for a gloo worker still in a collective, below).
 
 `destroy_process_group` joins gloo's threads only when it drops the group's last reference, and a
 DDP wrapper or an FSDP2 mesh the script still holds keeps the group alive. A gloo worker thread
@@ -33,7 +34,8 @@ _WORKER_NAME = "pt_gloo_runloop"  # the name torch gives gloo's worker threads (
 _WORKER_WAIT_S = 2.0  # a worker busy this long is in a collective that will not end at exit
 # futex(2)'s number; /proc/<pid>/task/<tid>/syscall gives it with the arguments of the call
 _FUTEX = {"x86_64": 202, "aarch64": 98}
-_FUTEX_WAITS = {0, 9}  # FUTEX_WAIT, FUTEX_WAIT_BITSET (glibc's condition variables)
+_FUTEX_WAIT, _FUTEX_WAIT_BITSET = 0, 9  # glibc's condition variables wait with either
+_LOCKED_CONTENDED = 2  # the value a glibc mutex waits on: a lock taken on the way somewhere
 
 
 def destroy_at_exit() -> None:
@@ -54,33 +56,54 @@ def _teardown() -> None:
 
 
 def _wait_for_gloo_workers(limit_s: float, tasks: Path = Path("/proc/self/task")) -> list[Path]:
-    """Sleep in 1 ms steps (the GIL free) until every gloo worker thread of this process is idle
-    in two polls running, or `limit_s` has passed; returns the workers still busy. Only where
-    Linux's /proc says what a thread waits in; elsewhere returns at once."""
+    """Sleep in 1 ms steps (the GIL free) until every gloo worker thread of this process is idle at
+    once, on the same wait, in two polls in a row, or `limit_s` has passed; returns the workers
+    busy at the last poll. Only where Linux's /proc says what a thread waits in; elsewhere, or
+    where it cannot be read, returns at once."""
     futex = _FUTEX.get(platform.machine())
     if futex is None or not tasks.is_dir():
         return []
-    busy = [t for t in tasks.iterdir() if _read(t / "comm") == _WORKER_NAME]
+    workers = [t for t in tasks.iterdir() if _read(t / "comm") == _WORKER_NAME]
     deadline = time.monotonic() + limit_s
-    seen: dict[Path, str] = {}  # each worker's idle wait at the last poll
-    while busy and time.monotonic() < deadline:
+    seen: dict[Path, str | None] = {}
+    while workers:
+        waits = {t: _idle_wait(t, futex) for t in workers if (t / "comm").exists()}
+        workers = list(waits)  # a thread that has exited is not waited for
+        if any(wait is _UNREADABLE for wait in waits.values()):
+            return []  # /proc does not say (a sandbox): nothing to wait on
+        busy = [t for t, wait in waits.items() if wait is None or seen.get(t) != wait]
+        if not busy or time.monotonic() >= deadline:
+            return busy
+        seen = waits
         time.sleep(0.001)
-        waits = {t: _idle_wait(_read(t / "syscall"), futex) for t in busy}
-        # the same wait twice: not a mutex taken for a moment on the way to release its work
-        busy = [t for t in busy if waits[t] is None or seen.get(t) != waits[t]]
-        seen = {t: w for t, w in waits.items() if w is not None}
-    return busy
+    return []
 
 
-def _idle_wait(syscall: str | None, futex: int) -> str | None:
-    """The futex address a thread sleeps on without a timeout (a condition variable's wait for
-    work), from its /proc `syscall` line (`nr uaddr op val timeout ...`); None when it runs, is
-    runnable, or waits with a timeout (as for the GIL), or the line cannot be read."""
-    fields = (syscall or "").split()
-    if len(fields) < 5 or fields[0] != str(futex):
+_UNREADABLE = "unreadable"
+
+
+def _idle_wait(task: Path, futex: int) -> str | None:
+    """The futex address `task` sleeps on, waiting for work: asleep (state S) in a futex wait on a
+    condition variable without a timeout. None when it runs or is runnable (woken, not yet
+    scheduled), waits with a timeout (as for the GIL) or on a contended mutex; `_UNREADABLE` when
+    /proc will not say."""
+    syscall, stat = _read(task / "syscall"), _read(task / "stat")
+    if syscall is None or stat is None:
+        return None if not task.exists() else _UNREADABLE
+    return _idle_in(syscall, stat.rpartition(")")[2].split()[:1] == ["S"], futex)
+
+
+def _idle_in(syscall: str, asleep: bool, futex: int) -> str | None:
+    """`_idle_wait` from a /proc `syscall` line (`nr uaddr op val timeout ...`) and whether the
+    thread is asleep."""
+    fields = syscall.split()
+    if not asleep or len(fields) < 5 or fields[0] != str(futex):
         return None
     command = int(fields[2], 16) & 0x7F  # without FUTEX_PRIVATE_FLAG
-    if command not in _FUTEX_WAITS or int(fields[4], 16) != 0:
+    value, timeout = int(fields[3], 16), int(fields[4], 16)
+    if command not in (_FUTEX_WAIT, _FUTEX_WAIT_BITSET) or timeout != 0:
+        return None
+    if command == _FUTEX_WAIT and value == _LOCKED_CONTENDED:
         return None
     return fields[1]
 
@@ -88,5 +111,5 @@ def _idle_wait(syscall: str | None, futex: int) -> str | None:
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
-    except OSError:  # the thread has exited
+    except OSError:  # the thread has exited, or /proc will not say
         return None

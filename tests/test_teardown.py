@@ -19,30 +19,37 @@ import torch.distributed as dist
 from _dist import REPO, run_tree
 
 from autoshard import _teardown
-from autoshard._teardown import _FUTEX, _WORKER_NAME, _idle_wait, _wait_for_gloo_workers
+from autoshard._teardown import _FUTEX, _WORKER_NAME, _idle_in, _wait_for_gloo_workers
 
 TASKS = Path("/proc/self/task")
+LIMIT_S = 30.0  # far beyond any wait these tests make, short of a hang
 linux_proc = pytest.mark.skipif(
     platform.machine() not in _FUTEX or not TASKS.is_dir(),
     reason="reads threads' waits from Linux's /proc on x86_64 or aarch64",
 )
 
 
+CONDITION = "202 0x55a0c715e310 0x189 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f67"  # glibc >= 2.34
+
+
 @pytest.mark.parametrize(
-    ("line", "idle"),
+    ("line", "asleep", "idle"),
     [
-        ("202 0x55a0c715e310 0x189 0x0 0x0 0x0 0xffffffff 0x7ffd 0x7f67", "0x55a0c715e310"),
-        ("202 0x55a0c715e310 0x80 0x2 0x0 0x0 0x0 0x7ffd 0x7f67", "0x55a0c715e310"),
-        ("202 0x7f1c 0x189 0x0 0x7f6758213b10 0x0 0xffffffff 0x7ffd 0x7f67", None),  # timed
-        ("202 0x7f1c 0x81 0x1 0x0 0x0 0x0 0x7ffd 0x7f67", None),  # a wake, not a wait
-        ("232 0x6 0x7f6758213b80 0x40 0xa 0x0 0x0 0x7ffd 0x7f67", None),  # epoll_wait
-        ("running", None),
-        ("-1 0x7ffd 0x7f67", None),
-        (None, None),  # the thread has gone
+        (CONDITION, True, "0x55a0c715e310"),
+        ("202 0x55a0c715e310 0x80 0x0 0x0 0x0 0x0 0x7ffd 0x7f67", True, "0x55a0c715e310"),
+        (CONDITION, False, None),  # woken, not yet scheduled
+        ("202 0x7f1c 0x80 0x2 0x0 0x0 0x0 0x7ffd 0x7f67", True, None),  # a contended mutex
+        ("202 0x7f1c 0x189 0x0 0x7f6758213b10 0x0 0xffffffff 0x7ffd 0x7f67", True, None),  # timed
+        ("202 0x7f1c 0x81 0x1 0x0 0x0 0x0 0x7ffd 0x7f67", True, None),  # a wake, not a wait
+        ("232 0x6 0x7f6758213b80 0x40 0xa 0x0 0x0 0x7ffd 0x7f67", True, None),  # epoll_wait
+        ("running", False, None),
+        ("-1 0x7ffd 0x7f67", True, None),
     ],
 )
-def test_idle_wait_is_a_futex_wait_without_a_timeout(line: str | None, idle: str | None) -> None:
-    assert _idle_wait(line, 202) == idle
+def test_idle_is_asleep_on_a_condition_variable_without_a_timeout(
+    line: str, asleep: bool, idle: str | None
+) -> None:
+    assert _idle_in(line, asleep, 202) == idle
 
 
 def _name_thread(name: str) -> None:
@@ -80,8 +87,49 @@ def test_the_wait_returns_only_once_every_worker_is_idle(
 ) -> None:
     release, log = stand_in
     threading.Timer(0.05, release.set).start()  # however late it comes, the wait outlasts it
-    assert _wait_for_gloo_workers(600.0) == []
+    assert _wait_for_gloo_workers(LIMIT_S) == []
     assert log[1:] == ["idle"]
+
+
+@linux_proc
+def test_a_worker_seen_idle_is_looked_at_again_until_all_are_idle_at_once() -> None:
+    """B sleeps for work while A is busy; A then hands B something (as the second gloo worker,
+    blocked behind the first, gets the lock when the first goes idle) and goes idle itself. The
+    wait must not end on B's earlier idleness."""
+    to_b, b_done, named = threading.Event(), threading.Event(), threading.Barrier(3)
+    release_a = threading.Event()
+    log: list[str] = []
+
+    def a() -> None:
+        _name_thread(_WORKER_NAME)
+        named.wait()
+        while not release_a.wait(timeout=60):  # busy
+            pass
+        to_b.set()
+        b_done.wait()  # idle
+
+    def b() -> None:
+        _name_thread(_WORKER_NAME)
+        named.wait()
+        to_b.wait()  # idle, before and while A is busy
+        threading.Event().wait(timeout=0.2)  # busy: releasing its work
+        log.append("B released")
+        b_done.wait()  # idle
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (a, b)]
+    for thread in threads:
+        thread.start()
+    named.wait()
+    threading.Timer(0.05, release_a.set).start()
+    try:
+        assert _wait_for_gloo_workers(LIMIT_S) == []
+        assert log == ["B released"]
+    finally:
+        release_a.set()
+        to_b.set()
+        b_done.set()
+        for thread in threads:
+            thread.join()
 
 
 @linux_proc
@@ -103,7 +151,7 @@ def test_real_gloo_workers_are_found_and_go_idle_after_a_collective() -> None:
         group.allreduce([tensor]).wait()
         workers = [t for t in TASKS.iterdir() if _teardown._read(t / "comm") == _WORKER_NAME]
         assert workers, f"no thread named {_WORKER_NAME}: torch renamed gloo's workers"
-        assert _wait_for_gloo_workers(600.0) == []
+        assert _wait_for_gloo_workers(LIMIT_S) == []
     finally:
         del group
 
@@ -116,14 +164,16 @@ from autoshard import _teardown
 atexit.register(lambda: print("after teardown", flush=True))
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 _teardown.destroy_at_exit()  # as prepare does when it created the group
-_teardown._WORKER_WAIT_S = 600.0  # the stand-in's busy spell ends first, however slow the machine
+_teardown._WORKER_WAIT_S = 30.0  # the stand-in's busy spell ends first, however slow the machine
 keep = dist.group.WORLD  # as a DDP wrapper: destroy_process_group cannot join gloo's threads
-named = threading.Event()
+named, exiting = threading.Event(), threading.Event()
+atexit.register(exiting.set)  # registered after the teardown: runs just before it
 
-def worker():  # a gloo worker still releasing its last collective when the script ends
+def worker():  # a gloo worker still releasing its last collective as the script ends
     path = f"/proc/self/task/{threading.get_native_id()}/comm"
     open(path, "w").write(_teardown._WORKER_NAME)
     named.set()
+    exiting.wait()
     threading.Event().wait(timeout=0.5)  # busy: a timed wait, as for the GIL
     print("worker idle", flush=True)
     threading.Event().wait()
