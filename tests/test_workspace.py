@@ -103,6 +103,24 @@ def test_a_bf16_matrix_product_on_cpu_is_measured_and_counted_at_the_call() -> N
     assert peak == a.nbytes + b.nbytes + real
 
 
+def test_a_call_too_large_for_the_host_memory_is_not_run_and_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workspace, "_PROBE_SHARE", 1e-12)  # any call is too large
+    with FakeTensorMode():
+        a = torch.zeros(64, 64, dtype=torch.bfloat16)
+        tracker = MemTracker()
+        tracker.track_external(a)
+        with tracker, Workspace(CPU):
+            out = torch.mm(a, a)
+        del out
+    peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    assert workspace._measured == {}
+    assert peak == 2 * a.nbytes  # the input and the output, nothing held beside them
+    note = unmeasured_note(CPU)
+    assert note is not None and "too large to run here" in note and "1 distinct" in note
+
+
 def test_fp32_matrix_products_and_cuda_plans_are_not_probed() -> None:
     with FakeTensorMode():
         a, b = torch.zeros(8, 8), torch.zeros(8, 8)

@@ -129,11 +129,14 @@ class Workspace(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns it into the local call, which comes back
         key = (self.device.type, str(func), _describe(args, kwargs))
-        if key not in _measured and self.cannot is None:
-            _measured[key] = _probe(func, args, kwargs, self.device)
+        cannot = self.cannot
+        if key not in _measured and cannot is None:
+            cannot = _too_large(func, args, kwargs) if self.device.type == "cpu" else None
+            if cannot is None:
+                _measured[key] = _probe(func, args, kwargs, self.device)
         nbytes = _measured.get(key)
         if nbytes is None:
-            _unmeasured[key] = self.cannot or "it failed to run here"
+            _unmeasured[key] = cannot or "it failed to run here"
             return func(*args, **kwargs)
         return _held_during(nbytes, self.device, func, args, kwargs)
 
@@ -146,6 +149,28 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
         and device.type == "cpu"
         and any(isinstance(a, torch.Tensor) and a.dtype in REDUCED for a in args)
     )
+
+
+# A probe on CPU is not run where its tensors alone would take more than this share of the host
+# memory available: a kernel's scratch can be several times its output (the bf16 convolution
+# above: 9 times), and the kernel that runs out of host memory gets the process killed, not an
+# exception. An LLM's head in bf16 on CPU, [tokens, d] @ [d, vocab], comes to gigabytes.
+_PROBE_SHARE = 1 / 8
+
+
+def _too_large(func: Any, args: Any, kwargs: Any) -> str | None:
+    """Why a CPU probe of this call is not run (its tensors too large for the host memory
+    available now), else None. Its output's size comes from the fake kernel."""
+    import psutil
+
+    with disable_current_modes():  # the tracker below must not count this extra output
+        output = func(*args, **kwargs)  # on fake tensors: no memory, no kernel
+    tensors = [x for x in tree_flatten((args, kwargs, output))[0] if isinstance(x, torch.Tensor)]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    available = psutil.virtual_memory().available
+    if need <= available * _PROBE_SHARE:
+        return None
+    return f"too large to run here: its tensors alone take {need:,} B of {available:,} B free"
 
 
 def _held_during(nbytes: int, device: torch.device, func: Any, args: Any, kwargs: Any) -> Any:
