@@ -36,6 +36,7 @@ _WORKER_WAIT_S = 2.0  # a worker busy this long is in a collective that will not
 _FUTEX = {"x86_64": 202, "aarch64": 98}
 _FUTEX_WAIT, _FUTEX_WAIT_BITSET = 0, 9  # glibc's condition variables wait with either
 _LOCKED_CONTENDED = 2  # the value a glibc mutex waits on: a lock taken on the way somewhere
+_UNREADABLE = "unreadable"  # what `_idle_wait` says where /proc will not tell
 
 
 def destroy_at_exit() -> None:
@@ -77,9 +78,6 @@ def _wait_for_gloo_workers(limit_s: float, tasks: Path = Path("/proc/self/task")
         seen = waits
         time.sleep(0.001)
     return []
-
-
-_UNREADABLE = "unreadable"
 
 
 def _idle_wait(task: Path, futex: int) -> str | None:
