@@ -134,6 +134,20 @@ def run_tree(
     return proc.returncode, output or "", timed_out
 
 
+def run_plain_python(
+    script: str, cwd: Path, timeout: float, cuda: bool = False
+) -> tuple[int, str, bool]:
+    """Run `script` (its text) as `python script.py` from `cwd`, outside any launcher: no rank
+    variables, this checkout importable, and unless `cuda` no GPU. Returns as `run_tree`."""
+    path = cwd / "script.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return run_tree([sys.executable, str(path)], cwd, env, timeout)
+
+
 def _start(command: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.Popen[str]:
     return subprocess.Popen(
         command,

@@ -8,14 +8,12 @@ its own is created for real on the CPU (gloo); the GPU run itself is in tests/te
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dist import REPO, run_tree
+from _dist import run_plain_python
 from test_plan import Tower
 
 import autoshard
@@ -222,11 +220,7 @@ print("trained:", bool(torch.isfinite(loss)))
 
 
 def test_plain_python_gets_a_one_rank_group_of_its_own_destroyed_at_exit(tmp_path: Path) -> None:
-    script = tmp_path / "plain.py"
-    script.write_text(OWN_GROUP_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env |= dict(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
+    returncode, output, _ = run_plain_python(OWN_GROUP_SCRIPT, tmp_path, 120)
     assert returncode == 0, output
     assert "group before: False False" in output, output
     assert "local: False True" in output, output  # no group for the unwrapped rung

@@ -4,9 +4,7 @@ that releases a collective's tensors after finalisation has begun aborts the pro
 
 from __future__ import annotations
 
-import os
 import platform
-import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -16,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import REPO, run_tree
+from _dist import run_plain_python
 
 from autoshard import _teardown
 from autoshard._teardown import _FUTEX, _WORKER_NAME, _idle_in, _wait_for_gloo_workers
@@ -185,11 +183,7 @@ named.wait()
 
 @linux_proc
 def test_exit_waits_for_a_worker_that_is_still_busy(tmp_path: Path) -> None:
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env |= dict(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    returncode, output, _ = run_tree([sys.executable, str(script)], tmp_path, env, 120)
+    returncode, output, _ = run_plain_python(EXIT_SCRIPT, tmp_path, 120)
     assert returncode == 0, output
     lines = [line for line in output.splitlines() if line in ("worker idle", "after teardown")]
     assert lines == ["worker idle", "after teardown"], output
