@@ -6,6 +6,7 @@ that can run, a warning in the plan. One process, no process group."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -221,3 +222,66 @@ def test_a_trial_peak_above_the_estimate_is_said() -> None:
         "100.00 MiB: the estimate misses a term (see the reasons above); leave that much more "
         "headroom in memory_limit"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation statistics under autocast on CPU
+
+
+def _norm_step(layer: nn.Module, x: torch.Tensor, fake: bool) -> tuple[list[Any], int, Any]:
+    """One forward and backward of `layer` on `x`, on real tensors or on fake ones as the
+    simulation runs them: what autograd saved (dtype, shape), the dispatch-level peak of live
+    bytes (inputs and parameters included) and the input's gradient dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoshard.wrap.meter import LiveBytes
+
+    saved: list[Any] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    # parameters and buffers, copied: batch norm updates its running statistics in place
+    state = {**layer.state_dict(), **dict(layer.named_parameters())}
+    state = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in state.items()}
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with wider_fake_kernels() if fake else contextlib.nullcontext(), mode:
+        if isinstance(mode, FakeTensorMode):
+            state = {k: mode.from_tensor(v) for k, v in state.items()}
+            x = mode.from_tensor(x)
+        x = x.detach().requires_grad_(True)
+        with LiveBytes([x, *state.values()]) as meter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(layer, state, (x,))
+            out.float().sum().backward()
+            del out
+    assert x.grad is not None
+    return saved, meter.peak, x.grad.dtype
+
+
+_NORM_LAYERS = {
+    "batch_norm": lambda: nn.BatchNorm2d(6),
+    "batch_norm_running_only": lambda: nn.BatchNorm2d(6, affine=False),
+    "layer_norm": lambda: nn.LayerNorm(5),
+    "group_norm": lambda: nn.GroupNorm(3, 6),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layer_dtype", ["fp32", "same"])
+@pytest.mark.parametrize("kind", list(_NORM_LAYERS))
+def test_cpu_norm_statistics_are_simulated_in_the_real_kernels_dtype(
+    kind: str, layer_dtype: str, dtype: torch.dtype
+) -> None:
+    """A bf16/fp16 input meeting fp32 parameters (autocast leaves a norm's weights in fp32): the
+    CPU kernel saves its mean and inverse std in fp32, torch's fake kernel in the input's dtype,
+    and group norm's fake backward then gave the input's gradient in fp32. Before: a bf16 ResNet
+    simulated 1,984 B under its real peak."""
+    torch.manual_seed(0)
+    layer = _NORM_LAYERS[kind]().train()
+    if layer_dtype == "same":
+        layer = layer.to(dtype)  # no mixed type: the fake kernel was already right
+    x = torch.randn(4, 6, 5, 5, dtype=dtype)
+    real = _norm_step(layer, x, fake=False)
+    assert _norm_step(layer, x, fake=True) == real

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import (
+    TorchDispatchMode,
     fake_kernel,
     fake_store,
     grouped_mm,
@@ -37,8 +39,12 @@ def wider_fake_kernels(answers: Mapping[str, bool] | None = None) -> Iterator[No
     kernel computes fp32 too. Its output is one new tensor of the shape the meta kernel gives
     (`_create_grouped_mm_output_tensor`), in the input dtype, and it saves nothing else: the
     fake output here is that tensor, so the trace and the trackers count what a real step holds.
+
+    Normalisations on CPU under autocast save their statistics in another dtype than the fake
+    kernel gives (`MixedNormStats`, entered here: below every mode the caller enters later).
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(MixedNormStats())
         op = grouped_mm()
         if op is not None:  # a torch without _grouped_mm: nothing runs through it
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
@@ -59,6 +65,58 @@ def _grouped_mm_any_dtype(
     if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
         return NotImplemented  # torch's own meta kernel handles it
     return grouped_mm_output(fake_mode, mat_a, mat_b, offs, out_dtype)
+
+
+aten = torch.ops.aten
+# Normalisations whose CPU kernel keeps the statistics it saves for backward (mean and inverse
+# standard deviation) in fp32 where a bf16/fp16 input meets an fp32 weight, bias or running
+# statistic (autocast leaves a norm's parameters in fp32), while torch's fake kernel casts them to
+# the input's dtype (torch 2.11 to 2.15). Their outputs are (output, mean, inverse std) alike.
+# (An eager step's batch norm reaches `native_batch_norm` on every torch 2.11 to 2.15.)
+NORMS = frozenset(
+    (aten.native_batch_norm.default, aten.native_layer_norm.default, aten.native_group_norm.default)
+)
+# Given fp32 statistics, group norm's fake backward gives the input's gradient in fp32; the CPU
+# kernel gives it in the input's dtype.
+GROUP_NORM_BACKWARD = aten.native_group_norm_backward.default
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+class MixedNormStats(TorchDispatchMode):
+    """Makes the fake results of `NORMS` and `GROUP_NORM_BACKWARD` on CPU take the real kernels'
+    dtypes. Without it a ResNet under bf16 autocast was simulated 2 bytes per channel and
+    statistic short for each batch norm its backward had not reached (1,984 B at its peak,
+    whatever the batch), transformers' BERT 4 bytes per token for each layer norm, enough to
+    report a largest batch one row too large. Enter it before (below) the memory tracker: the
+    tracker sees the corrected results, and not the conversions made here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in NORMS and func is not GROUP_NORM_BACKWARD:
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor first turns it into the local call, which comes back
+        result = func(*args, **kwargs)
+        if func is GROUP_NORM_BACKWARD:
+            grad_input, *rest = result
+            input = args[1]
+            if grad_input is None or not _mixed_on_cpu(input, args[2:4]):
+                return result
+            return (grad_input.to(input.dtype), *rest)
+        if not _mixed_on_cpu(args[0], (*args[1:], *kwargs.values())):
+            return result
+        output, *stats = result
+        return (output, *(s.to(torch.float32) for s in stats))
+
+
+def _mixed_on_cpu(input: Any, others: Any) -> bool:
+    """A bf16/fp16 CPU input meeting an fp32 tensor (what the CPU kernels call mixed type)."""
+    return (
+        isinstance(input, torch.Tensor)
+        and input.device.type == "cpu"
+        and input.dtype in _REDUCED
+        and any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in others)
+    )
 
 
 def unavailable() -> str | None:

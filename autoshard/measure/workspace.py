@@ -209,7 +209,6 @@ def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | Non
     with disable_current_modes():  # the fake mode and the tracker too: this runs for real
         try:
             real_args, real_kwargs = tree_map(lambda x: _real(x, device), (args, kwargs))
-            real_args = _as_kernel_expects(func, real_args, device)
             func(*real_args, **real_kwargs)  # once to warm up: first calls build kernels
             if device.type == "cuda":
                 return _held_cuda(func, real_args, real_kwargs, device)
@@ -217,25 +216,6 @@ def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | Non
         except Exception:  # noqa: BLE001 - reported as unmeasured; the trial step still checks
             logger.debug("measuring the workspace of %s failed", func, exc_info=True)
             return None
-
-
-def _as_kernel_expects(func: Any, args: Any, device: torch.device) -> Any:
-    """`args` with the dtypes the real kernel takes where the fake kernel's differ.
-
-    Batch norm on CPU with a bf16/fp16 input and fp32 weights (autocast) saves its mean and
-    inverse std in fp32, and its backward refuses them in any other dtype ("mixed dtype (CPU):
-    expect parameter to have scalar type of Float"); torch 2.13's fake kernel gives them the
-    input's dtype, so the probe would fail on every bf16 CPU plan.
-    """
-    if func is not aten.native_batch_norm_backward.default or device.type != "cpu":
-        return args
-    grad_out, inp, weight, running_mean, running_var, save_mean, save_invstd, *rest = args
-    if weight is None or weight.dtype == inp.dtype:
-        return args
-    save_mean, save_invstd = (
-        t.to(weight.dtype) if t is not None else None for t in (save_mean, save_invstd)
-    )
-    return (grad_out, inp, weight, running_mean, running_var, save_mean, save_invstd, *rest)
 
 
 def _real(x: Any, device: torch.device) -> Any:
