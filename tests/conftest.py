@@ -8,9 +8,16 @@ once, not once per worker that draws one of its tests."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+
+# autoshard's on-disk cache of fake steps (measure/cache.py) is off for the suite and every
+# process it starts: a test that plans the same model twice, changing what it measures in
+# between, must simulate both times, and no test writes under the home directory.
+# tests/test_cache.py turns it on, in a directory of its own, where it is what is tested.
+os.environ["AUTOSHARD_CACHE"] = "0"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

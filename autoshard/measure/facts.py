@@ -24,6 +24,7 @@ from autoshard.decide.plan import PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
+from autoshard.measure import cache
 from autoshard.measure.fake import shallow_copy
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.simulate import shallow_depths
@@ -105,6 +106,37 @@ def measure(
         return Measured(
             None, "no example_batch: activations are not estimated and no trial step can run"
         )
+    digest = cache.key(
+        "trace",
+        cache.describe_model(model),
+        cache.describe_batch(batch),
+        cache.describe_callable(loss_fn),
+        str(dtype),
+        names,
+    )
+    kept = cache.load("trace", digest, _measured_from_json)
+    if kept is not None:
+        return kept
+    measured = _measure(model, blocks, batch, loss_fn, dtype, names)
+    if measured.profile is not None and measured.user_error is None:
+        value = {"profile": cache.profile_to_json(measured.profile), "note": measured.trace_note}
+        cache.store("trace", digest, value)
+    return measured
+
+
+def _measured_from_json(value: dict[str, Any]) -> Measured:
+    note = f"{value['note']} (read from autoshard's cache: {cache.directory()})"
+    return Measured(cache.profile_from_json(value["profile"]), note)
+
+
+def _measure(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+    names: list[str] | None,
+) -> Measured:
     try:
         with own_runs_quiet():
             profile = _profile(model, blocks, batch, loss_fn, dtype, names)

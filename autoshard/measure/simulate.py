@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch import nn
 from autoshard._batch import LossFn
 from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
 from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
+from autoshard.measure import cache
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
     fake_copy,
@@ -266,14 +268,25 @@ def simulate_all(
     size = world_size if in_job else min(world_size, MAX_SIMULATED_DEGREE)
     shared = shared and in_job
     runs = (*((s, False) for s in strategies), *((s, True) for s in checkpointed))
-    mine = [run for i, run in enumerate(runs) if not shared or i % size == rank]
+    started = time.perf_counter()
+    digests = _digests(model, setup, runs, size)
+    # run -> (its simulation, the workspace it left out); what any rank kept serves every rank
+    kept = {
+        run: entry for run in runs if (entry := cache.load("run", digests[run], _entry)) is not None
+    }
+    if shared:  # the same runs are left to share out on every rank
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, kept)
+        for theirs in everyone:
+            kept.update(theirs)
+    left = [run for run in runs if run not in kept]
+    mine = [run for i, run in enumerate(left) if not shared or i % size == rank]
     results: dict[Run, Simulated] = {}
     failures: dict[Run, str] = {}
     crashed: dict[Run, str] = {}
     plain: dict[str, str | None] = {}  # the plain model's fake step, once a run has failed
-    started = time.perf_counter()
     try:
-        context = fake_mesh(size, rank, setup.device.type)
+        context = fake_mesh(size, rank, setup.device.type) if mine else nullcontext()
         mesh = context.__enter__()
     except Exception as error:  # noqa: BLE001 - e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL refuses it
         # raised alike on every rank (the same torch and environment), so all fall back together
@@ -305,7 +318,37 @@ def simulate_all(
             crashed.update(theirs_crashed)
     if crashes is not None:
         crashes.update(crashed)
-    return dict(sorted(results.items())), _note(runs, failures, size, shared, started, setup)
+    # what the workspace left out is said with the runs read back too (one note for them all)
+    missing = unmeasured_note(setup.trains_on or setup.device)
+    for run, simulated in results.items():
+        value = {"simulated": cache.simulated_to_json(simulated), "unmeasured": missing}
+        cache.store("run", digests[run], value)
+    results.update({run: simulated for run, (simulated, _) in kept.items()})
+    missing = missing or next((m for _, m in kept.values() if m), None)
+    note = _note(runs, failures, size, shared, started, len(kept), missing)
+    return dict(sorted(results.items())), note
+
+
+def _entry(value: dict[str, Any]) -> tuple[Simulated, str | None]:
+    return cache.simulated_from_json(value["simulated"]), value["unmeasured"]
+
+
+def _digests(model: nn.Module, setup: Setup, runs: tuple[Run, ...], size: int) -> dict[Run, str]:
+    """Each run's name in autoshard's cache: everything its simulation depends on."""
+    described = cache.key(
+        "run",
+        cache.describe_model(model),
+        cache.describe_optimizer(setup.optimizer),
+        cache.describe_batch(setup.batch),
+        cache.describe_callable(setup.loss_fn),
+        str(setup.dtype),
+        cache.describe_device(setup.device),
+        cache.describe_device(setup.trains_on or setup.device),
+        setup.block_names,
+        setup.answers,
+        size,
+    )
+    return {run: cache.key(described, str(run[0]), run[1]) for run in runs}
 
 
 def _note(
@@ -314,10 +357,13 @@ def _note(
     size: int,
     shared: bool,
     started: float,
-    setup: Setup,
+    kept: int,
+    missing: str | None,
 ) -> str:
     seconds = time.perf_counter() - started
     shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
+    if kept:
+        shared_out += f", {kept} read from autoshard's cache: {cache.directory()}"
     checkpointed = ", ".join(str(s) for s, ck in runs if ck)
     also = f"; with every block checkpointed: {checkpointed}" if checkpointed else ""
     note = (
@@ -329,7 +375,6 @@ def _note(
             f"{s}{' checkpointed' if ck else ''} ({e})" for (s, ck), e in sorted(failures.items())
         )
         note += f"; not simulated: {listed}"
-    missing = unmeasured_note(setup.trains_on or setup.device)
     if missing:
         note += f"; {missing}"
     return note

@@ -1,0 +1,265 @@
+"""autoshard's on-disk cache of fake steps (`autoshard.measure.cache`, issue 24): a plan made
+again reads its trace and simulations back instead of running them, what they depend on changes
+their names, and a cache that cannot be used is no cache at all, never an error."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import launch
+from torch import nn
+
+import autoshard
+from autoshard.measure import cache, facts, simulate
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, p: float = 0.0, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Dropout(p)) for _ in range(2)
+        )
+        self.head = nn.Linear(width, 32, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + F.gelu(block(x))
+        return self.head(x).float().logsumexp(-1).mean()
+
+
+def _tokens(rows: int = 4, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    return torch.randint(32, (rows, 8), generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def _plan(model: nn.Module | None = None, batch: Any = None, **kw: Any) -> autoshard.Plan:
+    model = model or Net()
+    optimizer = kw.pop("optimizer", None) or torch.optim.AdamW(model.parameters())
+    options: dict[str, Any] = {
+        "world_size": 2,
+        "mixed_precision": "no",
+        "device_memory": "4GiB",  # not the host memory free now, which moves
+        **kw,
+    }
+    return autoshard.plan(model, optimizer, _tokens() if batch is None else batch, **options)
+
+
+@pytest.fixture
+def kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The cache on, in a directory of this test's own."""
+    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _forbid_fake_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a fake step ran although the cache had it")
+
+    monkeypatch.setattr(simulate, "simulate", refuse)
+    monkeypatch.setattr(facts, "_measure", refuse)
+
+
+def _figures(plan: autoshard.Plan) -> dict[str, Any]:
+    return {k: v for k, v in plan.to_dict().items() if k != "reasons"}
+
+
+def test_a_plan_made_again_reads_every_fake_step_back(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _plan(strategy="full_shard", activation_checkpointing=True)
+    assert not any("cache" in r for r in first.reasons), first.reasons
+    written = sorted(p.relative_to(kept).parts[0] for p in kept.rglob("*.json"))
+    assert written == ["run", "run", "trace"]  # FULL_SHARD plain and checkpointed; the trace
+
+    _forbid_fake_steps(monkeypatch)
+    again = _plan(strategy="full_shard", activation_checkpointing=True)
+    assert _figures(again) == _figures(first)
+    text = " ".join(again.reasons)
+    assert f"2 read from autoshard's cache: {kept}" in text, text
+    assert f"(read from autoshard's cache: {kept})" in text, text
+
+
+def test_only_the_runs_not_kept_are_simulated(kept: Path) -> None:
+    _plan(strategy="ddp")
+    both = _plan(strategy="auto")  # DDP is kept, the sharded ones are not
+    text = " ".join(both.reasons)
+    assert "1 read from autoshard's cache" in text, text
+    assert len(list((kept / "run").glob("*.json"))) >= 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what-if planning for CUDA without a GPU")
+def test_what_the_simulation_left_out_is_said_again(kept: Path) -> None:
+    """A what-if plan for GPUs made without one cannot measure the convolution's workspace
+    (forward and backward: 2 calls): the plan read back says so too."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 4))
+    options = {"device": "cuda", "device_memory": "80GiB", "strategy": "ddp"}
+    batch = torch.randn(2, 3, 8, 8)
+    notes = []
+    for _ in range(2):
+        plan = _plan(model, batch, loss_fn=lambda out, batch: out.float().mean(), **options)
+        notes.append(next(r for r in plan.reasons if "simulated steps" in r))
+    assert "cache" not in notes[0] and "1 read from autoshard's cache" in notes[1]
+    for note in notes:
+        assert "kernel workspace of 2 distinct" in note and "no CUDA device here" in note, note
+
+
+def _digests(*args: Any, **kw: Any) -> tuple[str, str]:
+    """The names the trace and the DDP run are looked up by, for a plan of these arguments."""
+    names: dict[str, str] = {}
+    original = cache.load
+
+    def spy(kind: str, digest: str, decode: Any) -> Any:
+        names.setdefault(kind, digest)
+        return original(kind, digest, decode)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache, "load", spy)
+        _plan(*args, strategy="ddp", **kw)
+    return names["trace"], names["run"]
+
+
+def _frozen() -> dict[str, Any]:
+    model = Net()
+    model.embed.requires_grad_(False)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.blocks.parameters())}
+
+
+def _changed_torch(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    monkeypatch.setattr(cache, "_context", functools.cache(cache._context.__wrapped__))
+    return {}
+
+
+def _changed_environment(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(cache, "_context", functools.cache(cache._context.__wrapped__))
+    return {}
+
+
+CHANGES: dict[str, Any] = {
+    "a wider layer": lambda mp: {"model": Net(width=24)},
+    "a dropout rate": lambda mp: {"model": Net(p=0.1)},
+    "eval mode": lambda mp: {"model": Net().eval()},
+    "tied weights": lambda mp: {"model": Net(tied=True)},
+    "a frozen layer": lambda mp: _frozen(),
+    "more rows": lambda mp: {"batch": _tokens(rows=6)},
+    "another dtype": lambda mp: {"batch": _tokens(dtype=torch.int32)},
+    "bf16": lambda mp: {"mixed_precision": "bf16"},
+    "another loss": lambda mp: {"loss_fn": lambda out, batch: out * 2},
+    "torch": _changed_torch,
+    "a kernel setting": _changed_environment,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_what_a_fake_step_depends_on_renames_it(
+    change: str, kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _digests()
+    assert _digests() == before  # the same plan again: the same names
+    options = CHANGES[change](monkeypatch)
+    after = _digests(options.pop("model", None), options.pop("batch", None), **options)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_an_optimizer_setting_renames_the_runs_only(kept: Path) -> None:
+    model = Net()
+    trace, run = _digests(model, optimizer=torch.optim.AdamW(model.parameters(), foreach=False))
+    model = Net()
+    foreach = _digests(model, optimizer=torch.optim.AdamW(model.parameters(), foreach=True))
+    assert foreach[0] == trace and foreach[1] != run
+
+
+def test_an_edit_to_the_models_source_renames_it(
+    kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "user_model.py"
+    text = (
+        "import torch\n"
+        "class Scaled(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return (self.layer(x) * SCALE).sum()\n"
+        "SCALE = 1\n"
+    )
+    source.write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("user_model")
+    batch = torch.randn(4, 8)
+    before = _digests(module.Scaled(), batch)
+    source.write_text(text.replace("SCALE = 1", "SCALE = 2  # edited"))
+    module = importlib.reload(module)
+    assert _digests(module.Scaled(), batch) != before
+    sys.modules.pop("user_model")
+
+
+def test_cache_off_writes_nothing(kept: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOSHARD_CACHE", "off")
+    plan = _plan()
+    assert not kept.exists()
+    assert not any("cache" in r for r in plan.reasons)
+
+
+def test_unreadable_entries_are_simulated_again_and_replaced(kept: Path) -> None:
+    first = _plan(strategy="ddp")
+    entries = sorted(kept.rglob("*.json"))
+    entries[0].write_text("{ not json")
+    entries[1].write_text(json.dumps({"format": cache.FORMAT, "value": {"backward": 1}}))
+    again = _plan(strategy="ddp")
+    assert _figures(again) == _figures(first)
+    assert not any("cache" in r for r in again.reasons), again.reasons
+    for entry in entries:
+        assert json.loads(entry.read_text())["format"] == cache.FORMAT  # written afresh
+
+
+def test_a_directory_that_cannot_be_written_is_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "a file"
+    blocker.write_text("mine")
+    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(blocker / "cache"))
+    plan = _plan()
+    assert plan.strategy is not None
+    assert blocker.read_text() == "mine"
+
+
+def test_nothing_else_in_the_directory_is_touched(kept: Path) -> None:
+    (kept / "run").mkdir(parents=True)
+    mine = kept / "run" / "notes.txt"
+    mine.write_text("mine")
+    _plan()
+    _plan()
+    assert mine.read_text() == "mine"
+    assert not list(kept.rglob("*.tmp"))
+
+
+@functools.cache
+def _job(out: Path) -> Any:
+    return launch("cache", out)
+
+
+@pytest.mark.slow
+def test_in_a_job_what_one_rank_kept_serves_both(tmp_path: Path) -> None:
+    """Rank 0 has every run kept, rank 1 none: neither simulates, both decide alike."""
+    job = _job(tmp_path / "job")
+    first, again = job.case("first"), job.case("again")
+    for rank in (0, 1):
+        assert again[rank]["figures"] == first[0]["figures"]
+        assert "read from autoshard's cache" not in first[rank]["simulated"]
+        assert "2 read from autoshard's cache" in again[rank]["simulated"]
+    assert again[0]["trace_kept"] and not again[1]["trace_kept"]  # a trace is each rank's own
