@@ -338,6 +338,7 @@ def on_path() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     on_path()
+    os.environ.setdefault("AUTOSHARD_CACHE", "0")  # every plan made cold, as in _bench.py
     out: Path = args.out.resolve()
     if args.worker:
         worker(out, args.dry_run, args.sections)

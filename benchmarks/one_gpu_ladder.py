@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_suite import on_path
 
     on_path()
+    os.environ.setdefault("AUTOSHARD_CACHE", "0")  # every plan made cold, as in _bench.py
     if args.child is not None:
         return child(json.loads(args.child.read_text()))
     out: Path = args.out.resolve()
