@@ -1,0 +1,52 @@
+"""benchmarks/planner.py runs end to end on a small Llama-shaped model: the plan printed cold, the
+cache written and read back by a restart, and the in-process count of fake steps and operators
+with the time of each phase (issue 24). Figures are the benchmark's; this checks that it runs and
+reports them."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+from _dist import REPO, run_tree
+
+pytestmark = pytest.mark.slow
+
+
+def test_planner_reports_cold_warm_and_phases() -> None:
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "planner.py"),
+        "--factory",
+        "benchmarks.planner:tiny_llama",
+        "--world-size",
+        "16",
+        "--nodes",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--phases",
+        "--warm",
+    ]
+    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
+    assert code == 0 and not timed_out, output[-3000:]
+    assert "planner: benchmarks.planner:tiny_llama, world size 16 (2 nodes)" in output, output
+    # the restart's plan read its trace and every run back
+    assert "read from autoshard's cache" in output, output
+    assert re.search(r"planner, cache on: [\d.]+ s wall writing it, [\d.]+ s wall", output)
+    phases = re.search(r"planner, in-process: (\d+) fake steps, ([\d,]+) fake operators", output)
+    assert phases is not None, output
+    # the trace, and the strategies simulated at 3, 4 and 5 of the 16 blocks
+    assert int(phases[1]) >= 4 and int(phases[2].replace(",", "")) > 0
+
+
+def _env() -> dict[str, str]:
+    """This checkout importable, no launcher's variables, no GPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
