@@ -20,6 +20,7 @@ from autoshard.cli.demo import GPT, GPTConfig
 from autoshard.decide.estimate import Simulated, model_stats, shard_bytes
 from autoshard.measure.fake import unavailable
 from autoshard.measure.simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
+from autoshard.measure.simulated import _first_round
 from autoshard.measure.step import total
 from autoshard.strategies.strategy import Strategy
 
@@ -289,9 +290,10 @@ def test_checkpointed_runs_carry_the_unchecked_state() -> None:
         assert checkpointed.activations < sim.backward.activations  # blocks saved only inputs
 
 
-def test_checkpointing_judged_by_formula_shares_the_first_round() -> None:
-    """Where even the formula says no unchecked candidate fits, the checkpointed runs go in the
-    same round as the unchecked ones: one note, no second round."""
+def test_checkpointing_is_judged_from_the_simulated_peaks_in_one_process() -> None:
+    """Where no unchecked candidate fits, one process simulates the unchecked runs first and the
+    checkpointed ones it then needs in a second round: the formula's picks were mostly wasted
+    fake steps."""
     model, optimizer, batch, names = _gpt()
     # fp32 forced: the limit below is derived from fp32 peaks, and "auto" picks bf16 on CPUs with
     # native bf16, where activations are a smaller share and checkpointing cannot save 20%
@@ -302,9 +304,25 @@ def test_checkpointing_judged_by_formula_shares_the_first_round() -> None:
     )
     plan = autoshard.plan(model, optimizer, batch, device_memory=int(smallest * 0.8), **options)
     simulated = [r for r in plan.reasons if r.startswith("estimates from simulated steps")]
-    assert len(simulated) == 1, plan.reasons
-    assert "with every block checkpointed:" in simulated[0]
+    assert len(simulated) == 2, plan.reasons
+    assert "checkpointed" not in simulated[0] and "with every block checkpointed:" in simulated[1]
     assert plan.activation_checkpointing > 0
+
+
+@pytest.mark.parametrize(
+    ("forced", "unchecked", "ranks", "first"),
+    [
+        (True, 3, 1, True),  # forced: every strategy needs it, whatever the ranks
+        (False, 3, 1, False),  # one process: judged again from the simulated peaks
+        (False, 3, 5, False),  # 6 runs on 5 ranks: a rank would run two, one waits anyway
+        (False, 3, 6, True),  # one run each: the picks ride along at no cost
+    ],
+)
+def test_formula_picks_join_the_first_round_only_where_free(
+    forced: bool, unchecked: int, ranks: int, first: bool
+) -> None:
+    picked = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    assert _first_round(picked, forced, unchecked, ranks) == (picked if first else ())
 
 
 class Classifier(nn.Module):
