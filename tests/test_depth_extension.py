@@ -83,3 +83,96 @@ def test_the_extended_estimate_equals_the_whole_model_s(
     monkeypatch.setattr(simulate_module, "_MIN_DEPTH_TO_EXTEND", DEPTH + 1)
     whole = _peak(llama, strategy, checkpointed, "cuda")
     assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks of one shape that do not compute alike
+
+
+class _Block(torch.nn.Module):
+    """One shape for all; a `wide` block keeps an activation 8 times its input's for backward
+    (as a global-attention layer keeps more than a sliding-window one). `layer_idx` counts the
+    blocks, as transformers' layers do."""
+
+    def __init__(self, layer_idx: int, wide: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.wide = wide
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.wide:
+            y = (y.repeat(1, 8) * 2).view(x.shape[0], 8, 64).mean(1)
+        return x + torch.relu(y)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, wide: list[bool]) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(i, w) for i, w in enumerate(wide))
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def _stack_peak(wide: list[bool]) -> tuple[int, tuple[int, int, int] | None]:
+    torch.manual_seed(0)
+    model = _Stack(wide)
+    names = [f"blocks.{i}" for i in range(len(wide))]
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.randn(512, 64),
+        world_size=2,
+        device_memory="80GiB",
+        strategy="ddp",
+        mixed_precision="no",
+        activation_checkpointing=False,
+    )
+    return plan.chosen.estimated_peak_bytes, simulate_module.shallow_depths(model, names)
+
+
+def test_blocks_of_one_shape_computing_otherwise_are_simulated_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first 5 blocks narrow, the rest wide: a copy of 3, 4 or 5 blocks never runs a wide
+    one, and the extension fell short by all the wide blocks keep."""
+    wide = [i >= 5 for i in range(DEPTH)]
+    whole, depths = _stack_peak(wide)
+    assert depths is None
+    monkeypatch.setattr(simulate_module, "differing", lambda blocks: None)  # shapes alone
+    extended, depths = _stack_peak(wide)
+    assert depths == (3, 4, 5)
+    assert extended < whole  # what the check prevents: an estimate short of the model's
+
+
+def test_a_layer_index_is_no_difference() -> None:
+    _, depths = _stack_peak([False] * DEPTH)
+    assert depths == (3, 4, 5)
+
+
+def test_transformers_sliding_and_global_layers_are_told_apart() -> None:
+    transformers = pytest.importorskip("transformers")
+    names = [f"model.layers.{i}" for i in range(DEPTH)]
+    options = {
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": DEPTH,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    full = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**options))
+    assert simulate_module.shallow_depths(full, names) == (3, 4, 5)
+    alternating = transformers.Qwen2Config(
+        **options,
+        use_sliding_window=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * (DEPTH // 2),
+    )
+    model = transformers.Qwen2ForCausalLM(alternating)
+    assert simulate_module.shallow_depths(model, names) is None

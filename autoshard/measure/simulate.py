@@ -42,6 +42,7 @@ from autoshard._batch import LossFn
 from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
 from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard.measure import cache
+from autoshard.measure.alike import differing
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
     fake_copy,
@@ -166,8 +167,9 @@ def shallow_depths(model: nn.Module, names: list[str]) -> tuple[int, int, int] |
 
 
 def _alike(model: nn.Module, names: list[str]) -> bool:
-    """The blocks are the children of one ModuleList/Sequential, in order, all of one class and
-    of the same parameter and buffer shapes: a copy with fewer of them runs the same ops."""
+    """The blocks are the children of one ModuleList/Sequential, in order, all of one class, of
+    the same parameter and buffer shapes and the same attributes (`alike.differing`): a copy with
+    fewer of them runs the same ops."""
     if not names:
         return False
     parents = {n.rpartition(".")[0] for n in names}
@@ -180,7 +182,12 @@ def _alike(model: nn.Module, names: list[str]) -> bool:
     if [b for b in parent] != blocks:
         return False
     signature = _signature(blocks[0])
-    return all(type(b) is type(blocks[0]) and _signature(b) == signature for b in blocks)
+    if not all(type(b) is type(blocks[0]) and _signature(b) == signature for b in blocks):
+        return False
+    unlike = differing(blocks)  # sliding and global attention in layers of one shape
+    if unlike is not None:
+        logger.debug("blocks differ in %s: simulated whole", unlike)
+    return unlike is None
 
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
