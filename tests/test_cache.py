@@ -8,6 +8,8 @@ import functools
 import importlib
 import json
 import sys
+import types
+from collections import UserDict
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +146,23 @@ def _changed_torch(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def _changed_environment(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setattr(cache, "_context", functools.cache(cache._context.__wrapped__))
     return {}
+
+
+def _changed_attention(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """As torch.backends.cuda.enable_flash_sdp(False) would leave it, for this test only."""
+    enabled = torch.backends.cuda.flash_sdp_enabled()
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: not enabled)
+    return {}
+
+
+def _regrouped() -> dict[str, Any]:
+    """The same hyperparameters in two groups, the parameters in the other one."""
+    model = Net()
+    first, second = model.blocks[0].parameters(), model.blocks[1].parameters()
+    rest = [*model.embed.parameters(), *model.head.parameters()]
+    groups = [{"params": [*second, *rest], "amsgrad": True}, {"params": [*first]}]
+    return {"model": model, "optimizer": torch.optim.AdamW(groups)}
 
 
 CHANGES: dict[str, Any] = {
@@ -160,13 +177,34 @@ CHANGES: dict[str, Any] = {
     "another loss": lambda mp: {"loss_fn": lambda out, batch: out * 2},
     "torch": _changed_torch,
     "a kernel setting": _changed_environment,
+    "an attention kernel switched off": _changed_attention,
+    "optimizer groups": lambda mp: _regrouped(),
+    "a mapping's rows": lambda mp: {"batch": _Encoding(tokens=_tokens(rows=6))},
 }
+
+
+class _Encoding(UserDict):  # type: ignore[type-arg]
+    """What a tokenizer returns (transformers' BatchEncoding is a UserDict): no pytree node."""
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_what_a_fake_step_depends_on_renames_it(
     change: str, kept: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if change == "optimizer groups":  # its own baseline: two groups, as in the change
+        model = Net()
+        first, second = model.blocks[0].parameters(), model.blocks[1].parameters()
+        rest = [*model.embed.parameters(), *model.head.parameters()]
+        groups = [{"params": [*first, *rest], "amsgrad": True}, {"params": [*second]}]
+        before = _digests(model, optimizer=torch.optim.AdamW(groups))
+        after = _digests(**_regrouped())
+        assert after[0] == before[0] and after[1] != before[1]  # the trace has no optimizer
+        return
+    if change == "a mapping's rows":
+        before = _digests(batch=_Encoding(tokens=_tokens()))
+        after = _digests(batch=_Encoding(tokens=_tokens(rows=6)))
+        assert after[0] != before[0] and after[1] != before[1]
+        return
     before = _digests()
     assert _digests() == before  # the same plan again: the same names
     options = CHANGES[change](monkeypatch)
@@ -263,3 +301,130 @@ def test_in_a_job_what_one_rank_kept_serves_both(tmp_path: Path) -> None:
         assert "read from autoshard's cache" not in first[rank]["simulated"]
         assert "2 read from autoshard's cache" in again[rank]["simulated"]
     assert again[0]["trace_kept"] and not again[1]["trace_kept"]  # a trace is each rank's own
+
+
+# ---------------------------------------------------------------------------------------------
+# What the first version's key left out (a review found each by a stale estimate)
+
+
+class _Conv(nn.Module):
+    def __init__(self, stride: int = 1, act: Any = F.relu) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=stride, padding=1)
+        self.act = act  # a callable attribute, chosen by the caller
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x)).float().mean()
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({}, {"stride": 2}),  # a tuple attribute: one weight shape, a quarter of the output
+        ({}, {"act": F.gelu}),
+        ({"act": functools.partial(F.leaky_relu, negative_slope=0.1)}, {"act": F.relu}),
+    ],
+    ids=["conv stride", "activation", "partial"],
+)
+def test_module_attributes_beyond_numbers_rename_it(
+    before: dict[str, Any], after: dict[str, Any], kept: Path
+) -> None:
+    batch = torch.randn(4, 3, 16, 16)
+    assert _digests(_Conv(**before), batch) != _digests(_Conv(**after), batch)
+
+
+def test_a_batch_in_channels_last_renames_it(kept: Path) -> None:
+    batch = torch.randn(4, 3, 16, 16)
+    last = batch.to(memory_format=torch.channels_last)
+    assert _digests(_Conv(), batch) != _digests(_Conv(), last)
+
+
+def test_transformers_attention_implementation_renames_it(kept: Path) -> None:
+    """`config.to_dict()` leaves the attention implementation out; eager attention keeps the
+    scores, SDPA does not."""
+    transformers = pytest.importorskip("transformers")
+    names = []
+    for implementation in ("sdpa", "eager"):
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            attn_implementation=implementation,
+        )
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        batch = {"input_ids": _tokens() % 64, "labels": _tokens() % 64}
+        names.append(_digests(model, batch))
+    assert names[0][0] != names[1][0] and names[0][1] != names[1][1]
+
+
+class _ReadsValues(nn.Module):
+    """A forward that branches on its input's values: fake tensors cannot run it, so its trace
+    is measured on real tensors, and depends on the batch's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x > 0).any()):
+            x = x * 2
+        return self.layer(x).sum()
+
+
+def test_a_trace_measured_on_real_values_is_not_kept(kept: Path) -> None:
+    plan = _plan(_ReadsValues(), torch.randn(4, 8), strategy="ddp")
+    assert any("could not be traced on fake tensors" in r for r in plan.reasons), plan.reasons
+    assert not (kept / "trace").exists()
+    again = _plan(_ReadsValues(), -torch.ones(4, 8), strategy="ddp")
+    assert not any(
+        "read from autoshard's cache:" in r and "activations" in r for r in again.reasons
+    )
+
+
+def test_objects_it_cannot_describe_plan_without_the_cache(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class of a __main__ without a file (a notebook) and a loss object holding arbitrary
+    state: planned as before, never an error."""
+    notebook = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    Defined = type("Defined", (Net,), {"__module__": "__main__"})
+
+    class Loss:
+        def __init__(self) -> None:
+            self.args = object()  # argparse.Namespace and the like
+
+        def __call__(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
+            return out
+
+    for _ in range(2):
+        plan = _plan(Defined(), loss_fn=Loss(), strategy="ddp")
+        assert plan.strategy is not None
+
+
+def test_kept_values_read_back_as_they_were(kept: Path) -> None:
+    from autoshard.measure.trace import profile_step
+
+    model = Net()
+    profile = profile_step(model, list(model.blocks), _tokens(), None, None)
+    assert cache.profile_from_json(json.loads(json.dumps(cache.profile_to_json(profile)))) == (
+        profile
+    )
+    _plan(strategy="full_shard", activation_checkpointing=True)
+    for entry in (kept / "run").glob("*.json"):
+        value = json.loads(entry.read_text())["value"]["simulated"]
+        assert cache.simulated_to_json(cache.simulated_from_json(value)) == value
+
+
+def test_an_entry_of_the_wrong_types_is_not_read(kept: Path) -> None:
+    first = _plan(strategy="ddp")
+    (entry,) = (kept / "run").glob("*.json")
+    whole = json.loads(entry.read_text())
+    whole["value"]["simulated"]["backward"]["params"] = "12"
+    entry.write_text(json.dumps(whole))
+    again = _plan(strategy="ddp")
+    assert _figures(again) == _figures(first)
+    assert not any("1 read from autoshard's cache" in r for r in again.reasons)

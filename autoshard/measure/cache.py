@@ -6,16 +6,24 @@ Each result is a handful of byte counts, kept here as a JSON file named by a dig
 it depends on, so the same job started again reads them back instead:
 
 - the model: every module's class, the source files of its classes (autoshard's own and torch's
-  are covered by their versions below), the versions of the packages they come from, its plain
-  attributes (dropout rates, flags, `training`), a Hugging Face config where there is one, its
-  hooks, each parameter's and buffer's name, shape, dtype, device and `requires_grad`, and which
-  of them are one tensor (tied weights);
-- the optimizer's class and hyperparameters per group, the batch's structure, shapes and dtypes,
-  the loss function's code, the compute dtype, the device (the GPU's name: kernel workspaces are
-  measured on it), the simulated world size and the run itself;
+  are covered by their versions below), the versions of the packages they come from, its other
+  attributes (dropout rates, flags, `training`, a convolution's stride: numbers, strings and
+  containers of them; the callables it holds, by their code), a Hugging Face config where there
+  is one (`to_dict` and its own attributes: the attention implementation is one `to_dict` leaves
+  out), its hooks, each parameter's and buffer's name, shape, strides, dtype, device and
+  `requires_grad`, and which of them are one tensor (tied weights);
+- the optimizer's class and, per group, its parameters by name and its hyperparameters; the
+  batch's structure (mappings, a tokenizer's `BatchEncoding` included, and sequences), shapes,
+  strides and dtypes; the loss function's code and what its closure holds; the compute dtype;
+  the device (the GPU's name: kernel workspaces are measured on it); the simulated world size
+  and the run itself;
 - torch's and Python's versions, a digest of autoshard's own source (any change to it, a version
-  bump or not, starts afresh), the CPU's kernel capability and the environment variables that
-  change kernel or allocator memory.
+  bump or not, starts afresh), the CPU's kernel capability, the attention kernels torch may pick,
+  cuDNN's switches and the environment variables that change kernel or allocator memory.
+
+Where anything in that cannot be described (an object of a kind not listed), nothing is kept: an
+entry never stands for what its name does not say. Nor is a trace measured on real tensors kept
+(a step fake tensors cannot run: what it read back depends on the batch's values).
 
 Only what the plan is decided from is reused, never the decision: the usable memory is measured
 at every launch, and the candidates are weighed again against it (a run the cache lacks is
@@ -30,6 +38,7 @@ else in the directory is touched.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import importlib.metadata
@@ -39,7 +48,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,7 +56,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from autoshard._torch_compat import tree_flatten
 from autoshard.decide.estimate import Phase, Simulated
 from autoshard.decide.profile import ActivationProfile
 
@@ -75,32 +83,53 @@ def directory() -> Path | None:
         return None
 
 
-def key(*parts: Any) -> str:
-    """A digest of `parts` (JSON-able descriptions) and of the context every entry depends on."""
-    text = json.dumps([_context(), *parts], sort_keys=True, default=str)
+def digest(describe: Callable[[], Any]) -> str | None:
+    """The name of the entry that `describe()` (the parts it depends on) stands for, with the
+    context every entry depends on; None where the cache is off, or where something in it cannot
+    be described (an object of unknown kind: then nothing is kept for it, rather than an entry
+    that might stand for something else)."""
+    if directory() is None:
+        return None
+    try:
+        text = json.dumps([_context(), _settings(), describe()], sort_keys=True, default=_encode)
+    except Exception as error:  # noqa: BLE001 - whatever it is, the plan is made without
+        logger.debug("autoshard's cache not used: %s: %s", type(error).__name__, error)
+        return None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def load(kind: str, digest: str, decode: Callable[[Any], T]) -> T | None:
-    """`decode` of the value stored under `digest`, or None: absent, unreadable, of another
-    format, or not what `decode` takes (a file edited by hand)."""
+def _encode(value: Any) -> Any:
+    """JSON for the few other kinds a description holds; anything else is refused."""
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, Path)):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(str, value))
+    raise TypeError(f"cannot describe a {type(value).__qualname__}")
+
+
+def load(kind: str, name: str | None, decode: Callable[[Any], T]) -> T | None:
+    """`decode` of the value stored under `name` (a `digest`), or None: no name, absent,
+    unreadable, of another format, or not what `decode` takes (a file edited by hand)."""
     root = directory()
-    if root is None:
+    if root is None or name is None:
         return None
     try:
-        entry = json.loads((root / kind / f"{digest}.json").read_text())
+        entry = json.loads((root / kind / f"{name}.json").read_text())
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:
             return None
         return decode(entry["value"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.debug("autoshard's cache entry %s/%s not read: %s", kind, digest, error)
+        logger.debug("autoshard's cache entry %s/%s not read: %s", kind, name, error)
         return None
 
 
-def store(kind: str, digest: str, value: Any) -> None:
-    """Keep `value` (JSON-able) under `digest`; skipped, with a debug line, where it cannot be."""
+def store(kind: str, name: str | None, value: Any) -> None:
+    """Keep `value` (JSON-able) under `name` (a `digest`); skipped, with a debug line, where it
+    cannot be."""
     root = directory()
-    if root is None:
+    if root is None or name is None:
         return
     folder = root / kind
     written = None
@@ -111,7 +140,7 @@ def store(kind: str, digest: str, value: Any) -> None:
         ) as file:
             written = file.name
             json.dump({"format": FORMAT, "value": value}, file)
-        os.replace(written, folder / f"{digest}.json")
+        os.replace(written, folder / f"{name}.json")
     except OSError as error:
         logger.debug("autoshard's cache could not be written in %s: %s", folder, error)
         if written is not None:
@@ -125,6 +154,7 @@ def store(kind: str, digest: str, value: Any) -> None:
 
 @functools.cache
 def _context() -> dict[str, Any]:
+    """What stays the same for the life of the process."""
     import autoshard
 
     return {
@@ -132,7 +162,6 @@ def _context() -> dict[str, Any]:
         "python": sys.version_info[:2],
         "autoshard": _source_digest(Path(autoshard.__file__).parent),
         "cpu": torch.backends.cpu.get_cpu_capability(),
-        "environment": {name: os.environ.get(name) for name in _ENVIRONMENT},
     }
 
 
@@ -142,6 +171,19 @@ def _source_digest(package: Path) -> str:
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _settings() -> dict[str, Any]:
+    """What a program may change as it runs: the attention kernels torch may pick, cuDNN's
+    switches, the environment variables that change kernel or allocator memory."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    attention = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled")
+    return {
+        "attention": [getattr(cuda, name)() for name in attention],
+        "cudnn": [cudnn.enabled, cudnn.benchmark, cudnn.deterministic],
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "environment": {name: os.environ.get(name) for name in _ENVIRONMENT},
+    }
 
 
 def describe_model(model: nn.Module) -> list[Any]:
@@ -154,10 +196,7 @@ def describe_model(model: nn.Module) -> list[Any]:
     ]
     for name, tensor in named:
         tied = first_name.setdefault(id(tensor), name)
-        shape = tuple(tensor.shape)
-        tensors.append(
-            (name, shape, str(tensor.dtype), tensor.device.type, tensor.requires_grad, tied)
-        )
+        tensors.append((name, *_describe_tensor(tensor), tied))
     configs: dict[int, str] = {}  # a config shared by many modules is described once
     modules = [
         (name, _describe_module(module, name, configs)) for name, module in model.named_modules()
@@ -165,29 +204,65 @@ def describe_model(model: nn.Module) -> list[Any]:
     return [modules, tensors]
 
 
+def _describe_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
+    layout = tensor.stride() if tensor.layout == torch.strided else str(tensor.layout)
+    shape = tuple(tensor.shape)
+    return shape, layout, str(tensor.dtype), tensor.device.type, tensor.requires_grad
+
+
 def _describe_module(
     module: nn.Module, name: str = "", configs: dict[int, str] | None = None
 ) -> dict[str, Any]:
+    """A module by its class (and that class's code), its attributes other than parameters,
+    buffers and submodules (numbers, strings, flags and containers of them, the callables it
+    holds: a convolution's stride, an activation chosen per layer), a Hugging Face config, its
+    hooks."""
     cls = type(module)
-    plain = {k: v for k, v in vars(module).items() if isinstance(v, _PLAIN)}
+    attributes: dict[str, Any] = {}
+    for key, value in vars(module).items():
+        if key in ("_parameters", "_buffers", "_modules", "config") or key.endswith("hooks"):
+            continue
+        if _plain(value):
+            attributes[key] = value
+        elif callable(value) and not isinstance(value, nn.Module):
+            attributes[key] = describe_callable(value)
     config: Any = getattr(module, "config", None)
     described: Any = None
-    if callable(getattr(config, "to_dict", None)):
+    if config is not None:
         seen = configs if configs is not None else {}
-        described = seen.get(id(config)) or config.to_dict()
-        seen.setdefault(id(config), f"the config of {name!r}")
+        if id(config) not in seen:
+            seen[id(config)] = f"the config of {name!r}"
+            described = _describe_config(config)
+        else:
+            described = seen[id(config)]
     hooks = {
-        kind: [_qualname(h) for h in getattr(module, kind).values()]
+        kind: [describe_callable(h) for h in getattr(module, kind).values()]
         for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks")
         if getattr(module, kind, None)
     }
     return {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "code": _code_of(cls),
-        "plain": plain,
+        "attributes": attributes,
         "config": described,
         "hooks": hooks,
     }
+
+
+def _describe_config(config: Any) -> Any:
+    """A Hugging Face config: what `to_dict` gives, and its own plain attributes beside (the
+    attention implementation is one `to_dict` leaves out)."""
+    own = {k: v for k, v in vars(config).items() if _plain(v)}
+    whole = config.to_dict() if callable(getattr(config, "to_dict", None)) else None
+    return [type(config).__qualname__, own, whole]
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return isinstance(value, _PLAIN)
 
 
 # class -> what `_code_of` found: each class's files are read once per process
@@ -210,7 +285,7 @@ def _code_of(cls: type) -> list[Any]:
 def _file_digest(cls: type) -> str | None:
     try:
         path = inspect.getsourcefile(cls)
-    except TypeError:  # a built-in or compiled class
+    except (OSError, TypeError):  # a built-in class, or one of a __main__ without a file
         return None
     return None if path is None else _digest_of_file(path)
 
@@ -237,49 +312,70 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _qualname(fn: Any) -> str:
-    fn = getattr(fn, "func", fn)  # functools.partial
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-
-
-def describe_optimizer(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """Its class, and each group's size and hyperparameters (the state is made afresh)."""
+def describe_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Any]:
+    """Its class, and each group's parameters (by name) and hyperparameters; its state is made
+    afresh in the simulation."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     groups = [
-        (len(group["params"]), {k: v for k, v in group.items() if k != "params"})
+        (
+            [names.get(id(p), "?") for p in group["params"]],
+            {k: _value(v) for k, v in group.items() if k != "params"},
+        )
         for group in optimizer.param_groups
     ]
-    return [_qualname(type(optimizer)), groups]
+    return [type(optimizer).__module__, type(optimizer).__qualname__, groups]
 
 
-def describe_batch(batch: Any) -> list[Any]:
-    """Its structure, and each leaf's shape, dtype and device (a tensor) or value."""
-    leaves, spec = tree_flatten(batch)
-    return [
-        str(spec),
-        [
-            (tuple(x.shape), str(x.dtype), x.device.type)
-            if isinstance(x, torch.Tensor)
-            else (x if isinstance(x, _PLAIN) else type(x).__qualname__)
-            for x in leaves
-        ],
-    ]
+def describe_batch(batch: Any) -> Any:
+    """Its structure (the mappings' and sequences' kinds and keys), and each tensor's shape,
+    strides, dtype and device; other values as they are. An object of another kind is refused
+    (`digest` then keeps nothing): it may hold tensors that would go undescribed."""
+    if isinstance(batch, Mapping):
+        items = sorted((str(k), describe_batch(v)) for k, v in batch.items())
+        return [type(batch).__qualname__, items]
+    if isinstance(batch, (tuple, list)):
+        return [type(batch).__qualname__, [describe_batch(v) for v in batch]]
+    return _value(batch)
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _describe_tensor(value)
+    if isinstance(value, nn.Module):
+        return _describe_module(value)
+    if callable(value) and not isinstance(value, type):
+        return describe_callable(value)
+    if _plain(value) or isinstance(value, (torch.dtype, torch.device, enum.Enum)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_value(v) for v in value]
+    raise TypeError(f"cannot describe a {type(value).__qualname__}")
 
 
 def describe_callable(fn: Callable[..., Any] | None) -> Any:
-    """A loss function by its name and code (its source where Python has it)."""
+    """A function by its name and code (its source where Python has it) and what its closure
+    holds; a `functools.partial` by its function and arguments; another callable object (a loss
+    module, an instance with `__call__`) by its class's code and attributes."""
     if fn is None:
         return None
-    target = getattr(fn, "func", fn)
-    try:
-        code: Any = inspect.getsource(target)
-    except (OSError, TypeError):
-        code = getattr(getattr(target, "__code__", None), "co_code", b"").hex()
-    extra: list[Any] = [
-        repr(a) for a in (*getattr(fn, "args", ()), *getattr(fn, "keywords", {}).items())
-    ]
+    if isinstance(fn, functools.partial):
+        arguments = [_value(a) for a in fn.args]
+        keywords = {k: _value(v) for k, v in fn.keywords.items()}
+        return ["partial", describe_callable(fn.func), arguments, keywords]
     if isinstance(fn, nn.Module):
-        extra.append(_describe_module(fn))
-    return [_qualname(target), code, extra]
+        return _describe_module(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a built-in, a method of one, or an object with __call__
+        owner = getattr(fn, "__self__", fn)
+        if inspect.isbuiltin(fn) or isinstance(owner, type(torch)):
+            return [getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn))]
+        return [type(fn).__qualname__, _code_of(type(fn)), describe_batch(vars(fn))]
+    try:
+        source: Any = inspect.getsource(fn)
+    except (OSError, TypeError):
+        source = code.co_code.hex()
+    cells = [_value(c.cell_contents) for c in getattr(fn, "__closure__", None) or ()]
+    return [getattr(fn, "__module__", None), fn.__qualname__, source, cells]
 
 
 def describe_device(device: torch.device) -> list[Any]:
@@ -299,14 +395,15 @@ def simulated_to_json(simulated: Simulated) -> dict[str, Any]:
 
 
 def simulated_from_json(value: dict[str, Any]) -> Simulated:
-    def phase(x: dict[str, int] | None) -> Phase | None:
-        return None if x is None else Phase(**x)
+    def phase(x: Any) -> Phase:
+        return Phase(**{k: _int(v) for k, v in x.items()})
 
+    checkpointed = value.get("checkpointed_backward")
     return Simulated(
-        backward=Phase(**value["backward"]),
-        step=Phase(**value["step"]),
-        degree=value["degree"],
-        checkpointed_backward=phase(value.get("checkpointed_backward")),
+        backward=phase(value["backward"]),
+        step=phase(value["step"]),
+        degree=_int(value["degree"]),
+        checkpointed_backward=None if checkpointed is None else phase(checkpointed),
     )
 
 
@@ -315,9 +412,32 @@ def profile_to_json(profile: ActivationProfile) -> dict[str, Any]:
 
 
 def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
-    fields_: dict[str, Any] = {
-        k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-        for k, v in value.items()
-    }
-    fields_["compute_dtype"] = getattr(torch, value["compute_dtype"])
-    return ActivationProfile(**fields_)
+    dtype = getattr(torch, value["compute_dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"not a dtype: {value['compute_dtype']!r}")
+    return ActivationProfile(
+        block_saved_bytes=tuple(map(_int, value["block_saved_bytes"])),
+        block_input_bytes=tuple(map(_int, value["block_input_bytes"])),
+        before_saved_bytes=_int(value["before_saved_bytes"]),
+        after_saved_bytes=_int(value["after_saved_bytes"]),
+        largest_saved_bytes=_int(value["largest_saved_bytes"]),
+        block_forward_flops=tuple(map(_int, value["block_forward_flops"])),
+        total_forward_flops=_int(value["total_forward_flops"]),
+        compute_dtype=dtype,
+        unused_parameters=tuple(map(_str, value["unused_parameters"])),
+        answers=tuple((_str(place), bool(answer)) for place, answer in value["answers"]),
+        flops_by_own_formula=tuple(map(_str, value["flops_by_own_formula"])),
+        flops_uncounted=tuple(map(_str, value["flops_uncounted"])),
+    )
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"not a count: {x!r}")
+    return x
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"not a name: {x!r}")
+    return x

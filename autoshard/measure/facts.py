@@ -42,6 +42,7 @@ class Measured:
     profile: ActivationProfile | None
     trace_note: str
     user_error: str | None = None  # the batch or loss_fn does not fit the model
+    by_values: bool = False  # measured on real tensors: it depends on the batch's values
 
 
 def resolve_mixed_precision(
@@ -106,21 +107,24 @@ def measure(
         return Measured(
             None, "no example_batch: activations are not estimated and no trial step can run"
         )
-    digest = cache.key(
-        "trace",
-        cache.describe_model(model),
-        cache.describe_batch(batch),
-        cache.describe_callable(loss_fn),
-        str(dtype),
-        names,
+    name = cache.digest(
+        lambda: [
+            "trace",
+            cache.describe_model(model),
+            cache.describe_batch(batch),
+            cache.describe_callable(loss_fn),
+            str(dtype),
+            names,
+        ]
     )
-    kept = cache.load("trace", digest, _measured_from_json)
+    kept = cache.load("trace", name, _measured_from_json)
     if kept is not None:
         return kept
     measured = _measure(model, blocks, batch, loss_fn, dtype, names)
-    if measured.profile is not None and measured.user_error is None:
+    # a step measured on real tensors depends on the batch's values (what it read back): not kept
+    if measured.profile is not None and measured.user_error is None and not measured.by_values:
         value = {"profile": cache.profile_to_json(measured.profile), "note": measured.trace_note}
-        cache.store("trace", digest, value)
+        cache.store("trace", name, value)
     return measured
 
 
@@ -243,6 +247,7 @@ def _measured_for_real(
                 f"{failed}; its activations were {how} "
                 f"({human(profile.activation_bytes(0))} saved for backward){answered}"
                 f"{_flops_note(profile)}",
+                by_values=True,
             )
     note = f"warning: {failed}; activations not estimated: the estimate leaves them out"
     if not dist.is_initialized() or dist.get_rank() == 0:

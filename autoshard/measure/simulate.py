@@ -28,9 +28,9 @@ construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -293,7 +293,7 @@ def simulate_all(
     crashed: dict[Run, str] = {}
     plain: dict[str, str | None] = {}  # the plain model's fake step, once a run has failed
     try:
-        context = fake_mesh(size, rank, setup.device.type) if mine else nullcontext()
+        context = fake_mesh(size, rank, setup.device.type)
         mesh = context.__enter__()
     except Exception as error:  # noqa: BLE001 - e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL refuses it
         # raised alike on every rank (the same torch and environment), so all fall back together
@@ -340,22 +340,28 @@ def _entry(value: dict[str, Any]) -> tuple[Simulated, str | None]:
     return cache.simulated_from_json(value["simulated"]), value["unmeasured"]
 
 
-def _digests(model: nn.Module, setup: Setup, runs: tuple[Run, ...], size: int) -> dict[Run, str]:
-    """Each run's name in autoshard's cache: everything its simulation depends on."""
-    described = cache.key(
-        "run",
-        cache.describe_model(model),
-        cache.describe_optimizer(setup.optimizer),
-        cache.describe_batch(setup.batch),
-        cache.describe_callable(setup.loss_fn),
-        str(setup.dtype),
-        cache.describe_device(setup.device),
-        cache.describe_device(setup.trains_on or setup.device),
-        setup.block_names,
-        setup.answers,
-        size,
+def _digests(
+    model: nn.Module, setup: Setup, runs: tuple[Run, ...], size: int
+) -> dict[Run, str | None]:
+    """Each run's name in autoshard's cache (None: not kept): what its simulation depends on."""
+    base = cache.digest(
+        lambda: [
+            "run",
+            cache.describe_model(model),
+            cache.describe_optimizer(setup.optimizer, model),
+            cache.describe_batch(setup.batch),
+            cache.describe_callable(setup.loss_fn),
+            str(setup.dtype),
+            cache.describe_device(setup.device),
+            cache.describe_device(setup.trains_on or setup.device),
+            setup.block_names,
+            setup.answers,
+            size,
+        ]
     )
-    return {run: cache.key(described, str(run[0]), run[1]) for run in runs}
+    if base is None:
+        return dict.fromkeys(runs)
+    return {run: cache.digest(functools.partial(list, (base, str(run[0]), run[1]))) for run in runs}
 
 
 def _note(
