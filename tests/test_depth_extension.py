@@ -176,3 +176,28 @@ def test_transformers_sliding_and_global_layers_are_told_apart() -> None:
     )
     model = transformers.Qwen2ForCausalLM(alternating)
     assert simulate_module.shallow_depths(model, names) is None
+
+
+class _Act(torch.nn.Module):
+    def __init__(self, act: torch.nn.Module, fn: object = None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.act = act
+        self.fn = fn
+
+
+def test_what_tells_blocks_apart() -> None:
+    from functools import partial
+
+    from autoshard.measure.alike import differing
+
+    same = [_Act(torch.nn.GELU()) for _ in range(4)]
+    assert differing(same) is None
+    # an activation module of another class: no parameters, no shape tells it
+    assert differing([*same[:3], _Act(torch.nn.ReLU())]) == "act.__class__"
+    # a partial with other arguments
+    slopes = [
+        _Act(torch.nn.GELU(), partial(torch.nn.functional.leaky_relu, negative_slope=s))
+        for s in (0.1, 0.1, 0.2)
+    ]
+    assert differing(slopes) == ".fn"
