@@ -33,7 +33,7 @@ def _call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_run(model: nn.Module, answers: dict[str, bool] | None) -> torch.Size:
-    with wider_fake_kernels(answers), FakeTensorMode() as mode:
+    with wider_fake_kernels("cpu", answers), FakeTensorMode() as mode:
         return _call(model, mode.from_tensor(torch.randn(4, 3))).shape
 
 

@@ -71,7 +71,7 @@ def test_fake_grouped_mm_runs_fp32_only_inside_the_simulation_and_matches_the_re
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = [mode.from_tensor(t) for t in (tokens, experts, offsets)]
     _torch_own_fake_grouped_mm(mode, fake_args, real)
-    with wider_fake_kernels(), mode:
+    with wider_fake_kernels("cpu"), mode:
         out = torch._grouped_mm(fake_args[0], fake_args[1], offs=fake_args[2])
         out.sum().backward()  # backward runs _grouped_mm too
     assert (out.shape, out.dtype) == (real.shape, real.dtype)
@@ -246,7 +246,7 @@ def _norm_step(layer: nn.Module, x: torch.Tensor, fake: bool) -> tuple[list[Any]
     state = {**layer.state_dict(), **dict(layer.named_parameters())}
     state = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in state.items()}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with wider_fake_kernels() if fake else contextlib.nullcontext(), mode:
+    with wider_fake_kernels("cpu") if fake else contextlib.nullcontext(), mode:
         if isinstance(mode, FakeTensorMode):
             state = {k: mode.from_tensor(v) for k, v in state.items()}
             x = mode.from_tensor(x)

@@ -101,7 +101,7 @@ def test_graceful_without_onednn_and_without_grouped_mm(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch, "ops", types.SimpleNamespace(aten=object(), mkldnn=object()))
     assert compat.cpu_has_native_bf16() is False
     assert compat.grouped_mm() is None
-    with fake.wider_fake_kernels():  # nothing to widen
+    with fake.wider_fake_kernels("cpu"):  # nothing to widen
         assert compat.resolve("op_implementations_checks") == checks
 
 
@@ -225,13 +225,13 @@ class _FailingMode:
 def test_fake_kernel_removed_when_the_enclosing_mode_fails_or_the_body_raises() -> None:
     checks = compat.resolve("op_implementations_checks")
     before = list(checks)
-    with fake.wider_fake_kernels():
+    with fake.wider_fake_kernels("cpu"):
         assert len(checks) == len(before) + 1
     assert checks == before
-    with pytest.raises(_Refused), fake.wider_fake_kernels(), _FailingMode():
+    with pytest.raises(_Refused), fake.wider_fake_kernels("cpu"), _FailingMode():
         pass
     assert checks == before
-    with pytest.raises(_Refused), fake.wider_fake_kernels():
+    with pytest.raises(_Refused), fake.wider_fake_kernels("cpu"):
         _refuse()
     assert checks == before
 

@@ -27,7 +27,9 @@ from autoshard.measure.answers import READ_BACK, answering
 
 
 @contextlib.contextmanager
-def wider_fake_kernels(answers: Mapping[str, bool] | None = None) -> Iterator[None]:
+def wider_fake_kernels(
+    device_type: str, answers: Mapping[str, bool] | None = None
+) -> Iterator[None]:
     """Fake-tensor kernels for operations whose fake version refuses what the real one runs,
     installed only while a trace or simulation runs (DESIGN.md section 3).
 
@@ -41,10 +43,13 @@ def wider_fake_kernels(answers: Mapping[str, bool] | None = None) -> Iterator[No
     fake output here is that tensor, so the trace and the trackers count what a real step holds.
 
     Normalisations on CPU under autocast save their statistics in another dtype than the fake
-    kernel gives (`MixedNormStats`, entered here: below every mode the caller enters later).
+    kernel gives (`MixedNormStats`, entered here where the fake tensors are on `device_type`
+    "cpu", below every mode the caller enters later; elsewhere it would only cost time: every
+    operator passes through it, 7-10% of a plan's).
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(MixedNormStats())
+        if device_type == "cpu":
+            stack.enter_context(MixedNormStats())
         op = grouped_mm()
         if op is not None:  # a torch without _grouped_mm: nothing runs through it
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))

@@ -210,7 +210,11 @@ def _run(
     # the moments are extended only where recorded: a whole run needs its peak alone
     names = setup.block_names[:depth] if record else []
     blocks = [fake.get_submodule(name) for name in names]
-    with wider_fake_kernels(dict(setup.answers)), sharding_propagation_untracked(), mode:
+    with (
+        wider_fake_kernels(setup.device.type, dict(setup.answers)),
+        sharding_propagation_untracked(),
+        mode,
+    ):
         return tracked_step(fake, optimizer, batch, setup, strategy, blocks, record)
 
 

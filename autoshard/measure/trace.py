@@ -134,7 +134,7 @@ def profile_step(
     try:
         with (
             torch.random.fork_rng(devices=[], enabled=real),
-            wider_fake_kernels(),
+            wider_fake_kernels(device_type),
             mode,
             counter,
             torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack),
