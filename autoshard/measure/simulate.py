@@ -28,7 +28,6 @@ construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, fields, replace
@@ -365,7 +364,11 @@ def _digests(
     )
     if base is None:
         return dict.fromkeys(runs)
-    return {run: cache.digest(functools.partial(list, (base, str(run[0]), run[1]))) for run in runs}
+
+    def name(run: Run) -> str | None:
+        return cache.digest(lambda: [base, str(run[0]), run[1]])
+
+    return {run: name(run) for run in runs}
 
 
 def _note(
