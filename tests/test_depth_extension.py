@@ -18,6 +18,7 @@ import torch
 from _dist import REPO
 
 import autoshard
+import autoshard.measure.layout as layout_module
 import autoshard.measure.simulate as simulate_module
 from autoshard.measure.fake import unavailable
 
@@ -69,18 +70,18 @@ def test_the_extended_estimate_equals_the_whole_model_s(
     checkpointed: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[int] = []
+    calls: list[object] = []
     run = simulate_module._run
 
-    def counted(*args: object, **kwargs: object) -> object:
-        calls.append(args[4])  # type: ignore[arg-type]
-        return run(*args, **kwargs)  # type: ignore[arg-type]
+    def counted(*args: object) -> object:
+        calls.append(args[5] if len(args) > 5 else "whole")
+        return run(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(simulate_module, "_run", counted)
     # planned for GPUs (the what-if needs none): no gloo buffer on top of the simulated step
     extended = _peak(llama, strategy, checkpointed, "cuda")
-    assert DEPTH not in calls, f"simulated whole, not extended: depths {calls}"
-    monkeypatch.setattr(simulate_module, "_MIN_DEPTH_TO_EXTEND", DEPTH + 1)
+    assert "whole" not in calls, f"simulated whole, not extended: periods {calls}"
+    monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", DEPTH + 1)
     whole = _peak(llama, strategy, checkpointed, "cuda")
     assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)
 
@@ -119,7 +120,7 @@ class _Stack(torch.nn.Module):
         return self.head(x).sum()
 
 
-def _stack_peak(wide: list[bool]) -> tuple[int, tuple[int, int, int] | None]:
+def _stack_peak(wide: list[bool]) -> tuple[int, layout_module.Layout | None]:
     torch.manual_seed(0)
     model = _Stack(wide)
     names = [f"blocks.{i}" for i in range(len(wide))]
@@ -133,7 +134,7 @@ def _stack_peak(wide: list[bool]) -> tuple[int, tuple[int, int, int] | None]:
         mixed_precision="no",
         activation_checkpointing=False,
     )
-    return plan.chosen.estimated_peak_bytes, simulate_module.shallow_depths(model, names)
+    return plan.chosen.estimated_peak_bytes, layout_module.layout(model, names)
 
 
 def test_blocks_of_one_shape_computing_otherwise_are_simulated_whole(
@@ -142,17 +143,17 @@ def test_blocks_of_one_shape_computing_otherwise_are_simulated_whole(
     """The first 5 blocks narrow, the rest wide: a copy of 3, 4 or 5 blocks never runs a wide
     one, and the extension fell short by all the wide blocks keep."""
     wide = [i >= 5 for i in range(DEPTH)]
-    whole, depths = _stack_peak(wide)
-    assert depths is None
-    monkeypatch.setattr(simulate_module, "differing", lambda blocks: None)  # shapes alone
-    extended, depths = _stack_peak(wide)
-    assert depths == (3, 4, 5)
+    whole, repeats = _stack_peak(wide)
+    assert repeats is None
+    monkeypatch.setattr(layout_module, "alike", lambda a, b, apart=1: True)  # shapes alone
+    extended, repeats = _stack_peak(wide)
+    assert repeats is not None and repeats.periods == DEPTH
     assert extended < whole  # what the check prevents: an estimate short of the model's
 
 
 def test_a_layer_index_is_no_difference() -> None:
-    _, depths = _stack_peak([False] * DEPTH)
-    assert depths == (3, 4, 5)
+    _, repeats = _stack_peak([False] * DEPTH)
+    assert repeats is not None and repeats.periods == DEPTH
 
 
 def test_transformers_sliding_and_global_layers_are_told_apart() -> None:
@@ -167,7 +168,7 @@ def test_transformers_sliding_and_global_layers_are_told_apart() -> None:
         "num_key_value_heads": 2,
     }
     full = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**options))
-    assert simulate_module.shallow_depths(full, names) == (3, 4, 5)
+    assert layout_module.layout(full, names) is not None
     alternating = transformers.Qwen2Config(
         **options,
         use_sliding_window=True,
@@ -175,7 +176,7 @@ def test_transformers_sliding_and_global_layers_are_told_apart() -> None:
         layer_types=["sliding_attention", "full_attention"] * (DEPTH // 2),
     )
     model = transformers.Qwen2ForCausalLM(alternating)
-    assert simulate_module.shallow_depths(model, names) is None
+    assert layout_module.layout(model, names) is None  # period 2: 8 periods, not worth it
 
 
 class _Act(torch.nn.Module):
@@ -201,3 +202,155 @@ def test_what_tells_blocks_apart() -> None:
         for s in (0.1, 0.1, 0.2)
     ]
     assert differing(slopes) == ".fn"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts beyond one list of alike blocks (`measure.layout`): periods, a lead, two lists
+
+
+class _Lists(torch.nn.Module):
+    """An encoder-decoder's shape: two lists of `_Block`s, the second fed the first's output."""
+
+    def __init__(self, first: list[bool], second: list[bool]) -> None:
+        super().__init__()
+        self.encoder = torch.nn.ModuleList(_Block(i, w) for i, w in enumerate(first))
+        self.decoder = torch.nn.ModuleList(_Block(i, w) for i, w in enumerate(second))
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            x = block(x)
+        y = x
+        for block in self.decoder:
+            y = block(y) + x
+        return self.head(y).sum()
+
+
+LAYOUTS = {
+    # sliding and global attention alternating: periods of two
+    "alternating": (_Stack, ([i % 2 == 1 for i in range(48)],)),
+    # three blocks of another kind first (DeepSeek's dense layers before the MoE ones)
+    "lead": (_Stack, ([i >= 3 for i in range(40)],)),
+    # a wide block every third, the list ending mid-period
+    "period_and_tail": (_Stack, ([i % 3 == 2 for i in range(80)],)),
+    # two lists of different lengths: 32 blocks in 16 periods of two, beside 16 of one
+    "two_lists": (_Lists, ([False] * 32, [True] * 16)),
+}
+
+
+def _layout_plan(model: torch.nn.Module, strategy: str, checkpointed: bool) -> int:
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.randn(256, 64),
+        world_size=2,
+        device_memory="80GiB",
+        strategy=strategy,
+        mixed_precision="no",
+        activation_checkpointing=checkpointed,
+    )
+    return plan.chosen.estimated_peak_bytes
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [
+        ("alternating", "ddp"),
+        ("lead", "full_shard"),
+        ("period_and_tail", "shard_grad_op"),
+        ("two_lists", "full_shard"),
+        ("two_lists", "ddp"),
+    ],
+)
+def test_each_layout_extends_to_the_whole_model_s_estimate(
+    name: str, strategy: str, checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build, arguments = LAYOUTS[name]
+    torch.manual_seed(0)
+    model = build(*arguments)
+    names = [n for n, m in model.named_modules() if isinstance(m, _Block)]
+    repeats = layout_module.layout(model, names)
+    assert repeats is not None, name
+    periods: list[object] = []
+    run = simulate_module._run
+
+    def counted(*args: object) -> object:
+        periods.append(args[5] if len(args) > 5 else "whole")
+        return run(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simulate_module, "_run", counted)
+    extended = _layout_plan(model, strategy, checkpointed)
+    assert "whole" not in periods, periods
+    monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
+    whole = _layout_plan(model, strategy, checkpointed)
+    assert "whole" in periods
+    assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)
+
+
+def test_the_layouts_found() -> None:
+    def found(name: str) -> list[tuple[int, int, int, int]]:
+        build, arguments = LAYOUTS[name]
+        model = build(*arguments)
+        names = [n for n, m in model.named_modules() if isinstance(m, _Block)]
+        repeats = layout_module.layout(model, names)
+        assert repeats is not None, name
+        return [(s.lead, s.period, s.periods, s.tail) for s in repeats.stretches]
+
+    assert found("alternating") == [(0, 2, 24, 0)]
+    assert found("lead") == [(3, 1, 37, 0)]
+    assert found("period_and_tail") == [(0, 3, 26, 2)]
+    assert found("two_lists") == [(0, 2, 16, 0), (0, 1, 16, 0)]
+
+
+def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trace runs SHALLOW[0] periods of every list and stands each block not run for by the
+    same position of the last period run (`Layout.source`): per block, what the whole model's
+    trace gives."""
+    from autoshard.measure import facts
+
+    for name in LAYOUTS:
+        build, arguments = LAYOUTS[name]
+        torch.manual_seed(0)
+        model = build(*arguments)
+        pairs = [(n, m) for n, m in model.named_modules() if isinstance(m, _Block)]
+        names, blocks = [n for n, _ in pairs], [m for _, m in pairs]
+        batch = torch.randn(32, 64)
+        shallow = facts._profile(model, blocks, batch, None, None, names)
+        with monkeypatch.context() as patch:
+            patch.setattr(facts, "layout", lambda *args: None)
+            whole = facts._profile(model, blocks, batch, None, None, names)
+        assert shallow.block_saved_bytes == whole.block_saved_bytes, name
+        assert shallow.block_input_bytes == whole.block_input_bytes, name
+        assert shallow.block_forward_flops == whole.block_forward_flops, name
+        assert shallow.total_forward_flops == whole.total_forward_flops, name
+        assert shallow.activation_bytes(0) == whole.activation_bytes(0), name
+
+
+def test_where_three_four_and_five_periods_disagree_six_is_tried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 3 periods FSDP2's windows at a list's two ends overlap: where 3, 4 and 5 are off one
+    line, 4, 5 and 6 are tried before the whole model, and give its estimate."""
+    build, arguments = LAYOUTS["alternating"]
+    torch.manual_seed(0)
+    model = build(*arguments)
+    periods: list[object] = []
+    run, extended_from = simulate_module._run, simulate_module._extended
+
+    def counted(*args: object) -> object:
+        periods.append(args[5] if len(args) > 5 else "whole")
+        return run(*args)  # type: ignore[arg-type]
+
+    def not_from_three(*args: object) -> object:
+        return None if args[3][0] == 3 else extended_from(*args)  # type: ignore[arg-type, index]
+
+    monkeypatch.setattr(simulate_module, "_run", counted)
+    monkeypatch.setattr(simulate_module, "_extended", not_from_three)
+    extended = _layout_plan(model, "shard_grad_op", True)
+    assert periods[:4] == [3, 4, 5, 6] and "whole" not in periods, periods
+    monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
+    whole = _layout_plan(model, "shard_grad_op", True)
+    assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)

@@ -167,23 +167,25 @@ def test_gathered_buffers_follow_fsdp2s_schedule(simulated: tuple) -> None:
 def test_depth_is_extended_exactly_for_alike_blocks() -> None:
     """A 16-block model simulated at 3, 4 and 5 blocks and extended gives the totals of
     simulating all 16, per phase; where the line does not hold it simulates all of them."""
+    import autoshard.measure.layout as layout_module
     import autoshard.measure.simulate as sim_module
 
     torch.manual_seed(0)
-    depth = sim_module._MIN_DEPTH_TO_EXTEND
+    depth = layout_module.MIN_DEPTH_TO_EXTEND
     model = MLP(width=32, depth=depth)
     names = [f"blocks.{i}" for i in range(depth)]
     optimizer = torch.optim.Adam(model.parameters())
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, torch.randn(64, 16), None, optimizer, None, torch.device("cpu"))
-    assert sim_module.shallow_depths(model, names) == (3, 4, 5)
+    repeats = layout_module.layout(model, names)
+    assert repeats is not None and repeats.periods == depth
     extended = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
-    original = sim_module.shallow_depths
-    sim_module.shallow_depths = lambda *args: None  # type: ignore[assignment]
+    original = sim_module.layout
+    sim_module.layout = lambda *args: None  # type: ignore[assignment]
     try:
         whole = combine(simulate_all(model, setup, STRATEGIES, stats, 2)[0])
     finally:
-        sim_module.shallow_depths = original  # type: ignore[assignment]
+        sim_module.layout = original  # type: ignore[assignment]
     for strategy in STRATEGIES:
         got = total(extended[strategy].backward)
         want = total(whole[strategy].backward)
@@ -196,11 +198,11 @@ def test_depth_is_extended_exactly_for_alike_blocks() -> None:
 
 
 def test_unlike_blocks_are_simulated_whole() -> None:
-    import autoshard.measure.simulate as sim_module
+    from autoshard.measure.layout import layout
 
     model = MLP(depth=16)
     model.blocks[3] = nn.Sequential(nn.Linear(64, 64))
-    assert sim_module.shallow_depths(model, [f"blocks.{i}" for i in range(16)]) is None
+    assert layout(model, [f"blocks.{i}" for i in range(16)]) is None
 
 
 def test_model_and_optimizer_untouched() -> None:

@@ -1,5 +1,5 @@
-"""Whether blocks of one class and shape also compute alike: what lets a deep model be simulated
-at a few blocks and extended (`measure.simulate.shallow_depths`).
+"""Whether blocks compute alike: what lets a deep model be simulated with a few of them and
+extended (`measure.layout`).
 
 Equal parameter shapes are not enough. Transformers' decoders alternate sliding-window and
 global attention in layers of one class and shape (Qwen2, Mistral, Gemma 2 and 3 through
@@ -8,10 +8,11 @@ run only the first kinds: the extension would then stand for blocks it never ran
 difference lives in each layer's attributes (`self.sliding_window = ... if self.layer_type ==
 "sliding_attention" else None`), so they are compared: every module's plain attributes (numbers,
 strings, flags, None, tuples of them), the names of its callable ones (a partial's arguments
-too) and each submodule's class (an activation chosen per layer has no parameters to tell it).
-An attribute that counts the blocks (`layer_idx`: the block's position plus a constant) is no
-difference. Attributes that differ without changing memory (timm's drop-path rates, which grow
-with depth) cost the extension, never the estimate: such blocks are simulated whole.
+too), each submodule's class (an activation chosen per layer has no parameters to tell it) and
+every parameter's and buffer's shape, dtype and trainability. An attribute that counts the
+blocks (`layer_idx`: one more per block) is no difference. Attributes that differ without
+changing memory (timm's drop-path rates, which grow with depth) cost the extension, never the
+estimate: such blocks are simulated whole.
 """
 
 from __future__ import annotations
@@ -24,20 +25,14 @@ from torch import nn
 _PLAIN = (bool, int, float, str, type(None))
 _ABSENT = object()
 
-
-def differing(blocks: list[nn.Module]) -> str | None:
-    """The first attribute ("module.attribute" inside a block) whose value differs between the
-    blocks beyond their position, or None where they compute alike."""
-    described = [_describe(block) for block in blocks]
-    for key in sorted(set().union(*described)):
-        values = [d.get(key, _ABSENT) for d in described]
-        if any(v != values[0] for v in values) and not _counts_blocks(values):
-            return key
-    return None
+# A block as compared: "module.attribute" inside the block -> its value
+Described = dict[str, Any]
 
 
-def _describe(block: nn.Module) -> dict[str, Any]:
-    described: dict[str, Any] = {}
+def describe(block: nn.Module) -> Described:
+    """What tells `block` from another of its list: its modules' classes and plain and callable
+    attributes, its parameters' and buffers' shapes."""
+    described: Described = {}
     for name, module in block.named_modules():
         described[f"{name}.__class__"] = type(module).__qualname__  # GELU or ReLU: no shapes
         for attr, value in vars(module).items():
@@ -45,7 +40,37 @@ def _describe(block: nn.Module) -> dict[str, Any]:
                 described[f"{name}.{attr}"] = value
             elif callable(value) and not isinstance(value, nn.Module):
                 described[f"{name}.{attr}"] = _callable(value)
+    for name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+        described[f"{name}.__tensor__"] = (
+            tuple(tensor.shape),
+            tensor.dtype,
+            getattr(tensor, "requires_grad", False),
+        )
     return described
+
+
+def alike(a: Described, b: Described, apart: int = 1) -> bool:
+    """Whether the blocks described compute alike, `apart` positions apart in their list."""
+    return _difference(a, b, apart) is None
+
+
+def differing(blocks: list[nn.Module]) -> str | None:
+    """The first attribute ("module.attribute" inside a block) in which neighbouring `blocks`
+    differ beyond their position, or None where they compute alike."""
+    described = [describe(block) for block in blocks]
+    for a, b in zip(described, described[1:], strict=False):
+        key = _difference(a, b, 1)
+        if key is not None:
+            return key
+    return None
+
+
+def _difference(a: Described, b: Described, apart: int) -> str | None:
+    for key in sorted(a.keys() | b.keys()):
+        x, y = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if x != y and not _counts_blocks(x, y, apart):
+            return key
+    return None
 
 
 def _callable(value: Any) -> Any:
@@ -62,8 +87,8 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
-def _counts_blocks(values: list[Any]) -> bool:
-    """Each block's value is its position plus one constant (a layer index)."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+def _counts_blocks(x: Any, y: Any, apart: int) -> bool:
+    """The second block's value is the first's plus their distance (a layer index)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (x, y)):
         return False
-    return all(v - values[0] == i for i, v in enumerate(values))
+    return bool(y - x == apart)

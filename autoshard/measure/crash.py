@@ -33,9 +33,8 @@ def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> 
     from autoshard.strategies.engines import autocast_hooks
 
     mode = fake_mode()
-    depth = len(setup.block_names)
     try:
-        fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
+        fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, setup.block_names, mode)
         # as the simulation runs it (fp32 torch._grouped_mm, the real step's answers)
         with wider_fake_kernels(setup.device.type, dict(setup.answers)), mode:
             if not recipe(strategy).sharded and setup.dtype is not None:

@@ -26,8 +26,8 @@ from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure import cache
 from autoshard.measure.fake import shallow_copy
+from autoshard.measure.layout import SHALLOW, layout
 from autoshard.measure.quiet import own_runs_quiet
-from autoshard.measure.simulate import shallow_depths
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
 from autoshard.wrap.meter import held_bytes
@@ -101,8 +101,9 @@ def measure(
     dtype: torch.dtype | None,
     names: list[str] | None = None,
 ) -> Measured:
-    """Trace one step of `batch`. A deep model of alike blocks is traced with its first
-    _SHALLOW[0] blocks (a module tree sharing the model's tensors) and extended."""
+    """Trace one step of `batch`. A deep model whose blocks repeat is traced with SHALLOW[0]
+    periods of them (`measure.layout`; a module tree sharing the model's tensors) and
+    extended."""
     if batch is None:
         return Measured(
             None, "no example_batch: activations are not estimated and no trial step can run"
@@ -185,12 +186,13 @@ def _profile(
     dtype: torch.dtype | None,
     names: list[str] | None,
 ) -> ActivationProfile:
-    depths = shallow_depths(model, names) if names is not None else None
-    if names is None or depths is None:
+    repeats = layout(model, names) if names is not None else None
+    if names is None or repeats is None:
         return profile_step(model, blocks, batch, loss_fn, dtype)
-    shallow, kept = shallow_copy(model, names, depths[0])
+    shallow, kept = shallow_copy(model, names, repeats.kept(SHALLOW[0]))
     traced = [shallow.get_submodule(n) for n in kept]
-    return extended(profile_step(shallow, traced, batch, loss_fn, dtype), kept, len(names))
+    profile = profile_step(shallow, traced, batch, loss_fn, dtype)
+    return extended(profile, names, repeats.source(SHALLOW[0]))
 
 
 def _not_callable(error: Exception) -> str:

@@ -176,38 +176,41 @@ _meshes_made = 0
 
 
 def fake_copy(
-    model: nn.Module, mode: Any, device: torch.device, block_names: list[str], depth: int
+    model: nn.Module, mode: Any, device: torch.device, block_names: list[str], kept: list[str]
 ) -> tuple[nn.Module, list[str]]:
     """The model's structure with fake parameters and buffers (tied ones stay tied), keeping only
-    the first `depth` blocks."""
+    the blocks `kept` of its blocks."""
     memo: dict[int, Any] = {}
-    prefixes = tuple(f"{name}." for name in block_names[depth:])
-    kept = {
+    prefixes = _dropped(block_names, kept)
+    kept_ids = {
         id(p)
         for n, p in model.named_parameters(remove_duplicate=False)
         if not n.startswith(prefixes)
     }
     with mode:
-        for param in (p for p in model.parameters() if id(p) in kept):
+        for param in (p for p in model.parameters() if id(p) in kept_ids):
             memo[id(param)] = nn.Parameter(
                 torch.empty(param.shape, dtype=param.dtype, device=device),
                 requires_grad=param.requires_grad,
             )
         for buffer in model.buffers():
             memo[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-    return shallow_copy(model, block_names, depth, memo)
+    return shallow_copy(model, block_names, kept, memo)
 
 
 def shallow_copy(
-    model: nn.Module, block_names: list[str], depth: int, tensors: dict[int, Any] | None = None
+    model: nn.Module,
+    block_names: list[str],
+    kept: list[str],
+    tensors: dict[int, Any] | None = None,
 ) -> tuple[nn.Module, list[str]]:
-    """The model's module tree with only its first `depth` blocks, and the blocks' names in it.
+    """The model's module tree with only the blocks `kept` of its blocks, and their names in it.
 
     Parameters and buffers are the model's own (not copied: the copy costs no tensor memory)
-    unless `tensors` maps their ids to replacements. The blocks must be the children of one
-    container, in order (`shallow_depths`)."""
+    unless `tensors` maps their ids to replacements. The blocks kept must be the first of their
+    ModuleList/Sequential, which holds blocks only (`measure.layout`): their names stay."""
     memo: dict[int, Any] = dict(tensors) if tensors is not None else {}
-    prefixes = tuple(f"{name}." for name in block_names[depth:])
+    prefixes = _dropped(block_names, kept)
     named = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -215,13 +218,20 @@ def shallow_copy(
     for name, tensor in named:  # a tensor the kept part uses (tied ones too) is shared
         if not name.startswith(prefixes):
             memo.setdefault(id(tensor), tensor)
-    for name in block_names[depth:]:  # not copied at all
+    dropped = [name for name in block_names if name not in set(kept)]
+    for name in dropped:  # not copied at all
         memo[id(model.get_submodule(name))] = None
     copied = copy.deepcopy(model, memo)
-    if depth < len(block_names):
-        parent = copied.get_submodule(block_names[0].rpartition(".")[0])
-        keep_children(parent, depth)
-    return copied, block_names[:depth]
+    for parent in dict.fromkeys(name.rpartition(".")[0] for name in dropped):
+        count = sum(1 for name in kept if name.rpartition(".")[0] == parent)
+        keep_children(copied.get_submodule(parent), count)
+    return copied, [name for name in block_names if name in set(kept)]
+
+
+def _dropped(block_names: list[str], kept: list[str]) -> tuple[str, ...]:
+    """The name prefixes of the blocks not kept."""
+    keep = set(kept)
+    return tuple(f"{name}." for name in block_names if name not in keep)
 
 
 def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:

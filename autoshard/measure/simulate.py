@@ -14,10 +14,11 @@ What is derived instead of simulated again:
 - activation checkpointing: every block checkpointed is simulated (forward and backward only)
   where it matters; k < L checkpointed blocks are derived from it and from what
   `ActivationProfile` says each block saves (`estimate.estimate`);
-- depth: a model of 16 or more alike blocks is simulated at 3, 4 and 5 blocks and extended to its
-  full depth moment by moment (`step.Moments`: each block's forward and backward, the head's),
-  each moment's bytes after each operator extended linearly (a sum over blocks plus a
-  constant) and the largest taken: the peak's moment moves with depth;
+- depth: a model whose blocks repeat (`measure.layout`: 16 or more alike blocks, or lists of
+  them, periods of unlike ones) is simulated with 3, 4 and 5 periods of every list and extended
+  to its own number moment by moment (`step.Moments`: each block's forward and backward, the
+  head's), each moment's bytes after each operator extended linearly (a sum over periods plus
+  a constant) and the largest taken: the peak's moment moves with depth;
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
   simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -41,7 +42,6 @@ from autoshard._batch import LossFn
 from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
 from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
 from autoshard.measure import cache
-from autoshard.measure.alike import differing
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
     fake_copy,
@@ -51,8 +51,9 @@ from autoshard.measure.fake import (
     unavailable,
     wider_fake_kernels,
 )
+from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import own_runs_quiet
-from autoshard.measure.step import INTERIOR, peak_of, total, tracked_step, with_state
+from autoshard.measure.step import peak_of, total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
@@ -63,12 +64,10 @@ logger = logging.getLogger("autoshard")
 # The largest sharding degree simulated directly; larger degrees are rescaled from it. Sharding
 # each parameter into N fake chunks costs O(N) per parameter: a 7B model took 24 s at N=1024.
 MAX_SIMULATED_DEGREE = 8
-# Depths simulated for a deep model whose blocks are all alike: the first two give the line,
-# the third checks it. Deeper than FSDP2's window (the block in backward, the one prefetched and
-# one reduce-scattering), so that every term grows by whole blocks.
-_SHALLOW = (3, 4, 5)
-# Only worth it when the three shallow runs cost well under one whole run.
-_MIN_DEPTH_TO_EXTEND = 16
+# Where 3, 4 and 5 periods are off one line, 4, 5 and 6 are tried before the whole model: at 3
+# the FSDP2 windows of a list's two ends overlap (a GPT-shaped model under FULL_SHARD: the
+# second-last block's backward ran 41 operators at 3 periods, 45 at 4 and 5).
+_DEEPEST = 6
 # How far the third depth may lie off the line through the first two (of its total).
 _LINEARITY_TOLERANCE = 0.01
 
@@ -97,41 +96,60 @@ def simulate(
     mesh: Any,
 ) -> Simulated:
     """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow."""
-    depths = shallow_depths(model, setup.block_names)
+    repeats = layout(model, setup.block_names)
     degree = mesh.size() if recipe(strategy).sharded else 1
-    full = len(setup.block_names)
-    if depths is not None:
-        d1, d2, d3 = depths
-        p1, p2, p3 = (_run(model, setup, strategy, mesh, d, record=True) for d in depths)
-        # Each moment of forward and backward is extended on its own and the largest taken at
-        # the full depth: the peak's moment can move with depth (the head's backward with few
-        # blocks, the end of backward, gradients accumulated, with many). Where the third depth
-        # is off the line through the first two, the terms are not linear over this range, and
-        # the whole model is simulated instead.
-        line = _extend_moments(p1[0], p2[0], d1, d2, d3)
-        actual = peak_of(p3[0])
-        extended = _extend_moments(p2[0], p3[0], d2, d3, full)
-        if (
-            line is not None
-            and extended is not None
-            and abs(total(line) - total(actual)) <= _LINEARITY_TOLERANCE * total(actual)
-        ):
-            return Simulated(extended, _extend(p2[1], p3[1], d2, d3, full), degree)
-        logger.debug("%s: terms not linear in depth; simulating all %d blocks", strategy, full)
-    moments, step = _run(model, setup, strategy, mesh, full)
+    if repeats is not None:
+        runs = {k: _run(model, setup, strategy, mesh, repeats, k) for k in SHALLOW}
+        while True:
+            k1, k2, k3 = sorted(runs)[-3:]
+            found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
+            if found is not None:
+                return Simulated(*found, degree)
+            if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
+                break
+            runs[k3 + 1] = _run(model, setup, strategy, mesh, repeats, k3 + 1)
+        logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
+    moments, step = _run(model, setup, strategy, mesh)
     return Simulated(peak_of(moments), step, degree)
+
+
+_Steps = tuple[dict[str, list[Phase]], Phase]
+
+
+def _extended(
+    p1: _Steps, p2: _Steps, p3: _Steps, depths: tuple[int, int, int], full: int
+) -> tuple[Phase, Phase] | None:
+    """The forward/backward peak and the step's at `full` periods from runs at three `depths`,
+    or None where the third is off the line through the first two.
+
+    Each moment of forward and backward is extended on its own and the largest taken at the full
+    depth: the peak's moment can move with depth (the head's backward with few blocks, the end
+    of backward, gradients accumulated, with many). Where the third depth is off the line
+    through the first two, the terms are not linear over this range. The line covers the
+    moments met at both first depths (the second-last period's first appears at 4 periods), and
+    an interior block's, which must not rise above it."""
+    k1, k2, k3 = depths
+    line = _extend_moments(p1[0], p2[0], k1, k2, k3)
+    met = {label: p3[0][label] for label in p3[0] if label in p1[0] or label == INTERIOR}
+    actual = peak_of(met)
+    extended = _extend_moments(p2[0], p3[0], k2, k3, full)
+    if line is None or extended is None:
+        return None
+    if abs(total(line) - total(actual)) > _LINEARITY_TOLERANCE * total(actual):
+        return None
+    return extended, _extend(p2[1], p3[1], k2, k3, full)
 
 
 def _extend_moments(
     a: dict[str, list[Phase]], b: dict[str, list[Phase]], d1: int, d2: int, depth: int
 ) -> Phase | None:
-    """The forward/backward peak at `depth` blocks: each moment met at both d1 and d2 extended
+    """The forward/backward peak at `depth` periods: each moment met at both d1 and d2 extended
     instant by instant (its k-th operator at d1 with its k-th at d2, `_extend`), the largest
     taken. A moment's peak is the largest of lines in depth, one per instant, so extending its
     peak alone falls short once a steeper instant overtakes it (a Llama's head: the loss's
     temporaries with few blocks, the last block's output beside every block's cast weights with
     many). An interior block's moment is left out, its largest sitting at an end
-    (`block_label`). None where a moment ran a different number of operators at the two
+    (`layout.Stretch.label`). None where a moment ran a different number of operators at the two
     depths: the model is then simulated whole."""
     common = [label for label in b if label in a and not label.endswith(INTERIOR)]
     if any(len(a[label]) != len(b[label]) for label in common):
@@ -147,7 +165,7 @@ def _extend_moments(
 
 
 def _extend(a: Phase, b: Phase, d1: int, d2: int, depth: int) -> Phase:
-    """Each term at `depth` blocks from the terms at d1 and d2 blocks (linear in depth)."""
+    """Each term at `depth` periods from the terms at d1 and d2 periods (linear in depth)."""
     scale = (depth - d1) / (d2 - d1)
     return Phase(
         *(
@@ -157,64 +175,34 @@ def _extend(a: Phase, b: Phase, d1: int, d2: int, depth: int) -> Phase:
     )
 
 
-def shallow_depths(model: nn.Module, names: list[str]) -> tuple[int, int, int] | None:
-    """The depths to simulate when every block is alike and they are the children of one
-    ModuleList/Sequential in order, else None (simulate the whole model)."""
-    if len(names) < _MIN_DEPTH_TO_EXTEND or not _alike(model, names):
-        return None
-    return _SHALLOW
-
-
-def _alike(model: nn.Module, names: list[str]) -> bool:
-    """The blocks are the children of one ModuleList/Sequential, in order, all of one class, of
-    the same parameter and buffer shapes and the same attributes (`alike.differing`): a copy with
-    fewer of them runs the same ops."""
-    if not names:
-        return False
-    parents = {n.rpartition(".")[0] for n in names}
-    if len(parents) != 1:
-        return False
-    parent = model.get_submodule(parents.pop())
-    if not isinstance(parent, (nn.ModuleList, nn.Sequential)) or len(parent) != len(names):
-        return False
-    blocks = [model.get_submodule(n) for n in names]
-    if [b for b in parent] != blocks:
-        return False
-    signature = _signature(blocks[0])
-    if not all(type(b) is type(blocks[0]) and _signature(b) == signature for b in blocks):
-        return False
-    unlike = differing(blocks)  # sliding and global attention in layers of one shape
-    if unlike is not None:
-        logger.debug("blocks differ in %s: simulated whole", unlike)
-    return unlike is None
-
-
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    return tuple(
-        (n, tuple(t.shape), t.dtype, getattr(t, "requires_grad", False))
-        for n, t in [*module.named_parameters(), *module.named_buffers()]
-    )
-
-
 def _run(
     model: nn.Module,
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    depth: int,
-    record: bool = False,
+    repeats: Layout | None = None,
+    periods: int = 0,
 ) -> tuple[dict[str, list[Phase]], Phase]:
+    """One step of the model (with `repeats`, of its copy with `periods` periods of every list:
+    each moment's bytes after each operator recorded, to be extended; else the whole model's,
+    each moment's peak)."""
     mode = fake_mode()
-    fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, depth, mode)
-    # the moments are extended only where recorded: a whole run needs its peak alone
-    names = setup.block_names[:depth] if record else []
-    blocks = [fake.get_submodule(name) for name in names]
+    kept = setup.block_names if repeats is None else repeats.kept(periods)
+    fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, kept, mode)
+    labelled = (
+        []
+        if repeats is None
+        else [
+            (fake.get_submodule(name), label)
+            for name, label in zip(kept, repeats.labels(periods), strict=True)
+        ]
+    )
     with (
         wider_fake_kernels(setup.device.type, dict(setup.answers)),
         sharding_propagation_untracked(),
         mode,
     ):
-        return tracked_step(fake, optimizer, batch, setup, strategy, blocks, record)
+        return tracked_step(fake, optimizer, batch, setup, strategy, labelled)
 
 
 def wrapped_copy(
@@ -222,12 +210,12 @@ def wrapped_copy(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    depth: int,
+    kept: list[str],
     mode: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """A fake copy of `model` with its first `depth` blocks, checkpointed and sharded as
-    `wrap.apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
-    fake, names = fake_copy(model, mode, setup.device, setup.block_names, depth)
+    """A fake copy of `model` with only the blocks `kept` of its blocks, checkpointed and sharded
+    as `wrap.apply` does it, its optimizer and the batch, all fake tensors of `mode`."""
+    fake, names = fake_copy(model, mode, setup.device, setup.block_names, kept)
     with mode:
         batch = tree_map(lambda x: fake_tensor(mode, x, setup.device), setup.batch)
         if setup.checkpoint_all:
@@ -255,6 +243,7 @@ def simulate_all(
     checkpointed: tuple[Strategy, ...] = (),
     shared: bool = False,
     crashes: dict[Run, str] | None = None,
+    tally: Tally | None = None,
 ) -> tuple[dict[Run, Simulated], str]:
     """Simulate each strategy, and each of `checkpointed` with every block checkpointed; returns
     the simulations by run (as rank 0 sees them: its shard is the largest) and a note for the
@@ -268,7 +257,9 @@ def simulate_all(
     A run whose simulation fails (an optimizer that cannot be rebuilt on fake parameters, an
     operation fake tensors do not support) is left to the analytic estimate (or, checkpointed,
     to the derivation from the unchecked one), and the note says so; where the run's own
-    wrapping is what fails (`crash.crash_of`), it is added to `crashes`.
+    wrapping is what fails (`crash.crash_of`), it is added to `crashes`. Calls made in waves
+    (fastest strategies first, `measure.simulated`) pass one `tally`: the note then says what
+    all of them ran.
     """
     reason = unavailable()
     if reason is not None:
@@ -278,7 +269,7 @@ def simulate_all(
     size = world_size if in_job else min(world_size, MAX_SIMULATED_DEGREE)
     shared = shared and in_job
     runs = (*((s, False) for s in strategies), *((s, True) for s in checkpointed))
-    started = time.perf_counter()
+    tally = tally if tally is not None else Tally()
     digests = _digests(model, setup, runs, size)
     # run -> (its simulation, the workspace it left out); what any rank kept serves every rank
     kept = {
@@ -335,8 +326,8 @@ def simulate_all(
         cache.store("run", digests[run], value)
     results.update({run: simulated for run, (simulated, _) in kept.items()})
     missing = missing or next((m for _, m in kept.values() if m), None)
-    note = _note(runs, failures, size, shared, started, len(kept), missing)
-    return dict(sorted(results.items())), note
+    tally.add(runs, failures, len(kept), missing)
+    return dict(sorted(results.items())), tally.note(size, shared)
 
 
 def _entry(value: dict[str, Any]) -> tuple[Simulated, str | None]:
@@ -371,33 +362,46 @@ def _digests(
     return {run: name(run) for run in runs}
 
 
-def _note(
-    runs: tuple[Run, ...],
-    failures: dict[Run, str],
-    size: int,
-    shared: bool,
-    started: float,
-    kept: int,
-    missing: str | None,
-) -> str:
-    seconds = time.perf_counter() - started
-    shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
-    if kept:
-        shared_out += f", {kept} read from autoshard's cache: {cache.directory()}"
-    checkpointed = ", ".join(str(s) for s, ck in runs if ck)
-    also = f"; with every block checkpointed: {checkpointed}" if checkpointed else ""
-    note = (
-        f"estimates from simulated steps on fake tensors at {size} rank(s) "
-        f"({len(runs)} run(s), {seconds:.1f}s{shared_out}){also}"
-    )
-    if failures:
-        listed = "; ".join(
-            f"{s}{' checkpointed' if ck else ''} ({e})" for (s, ck), e in sorted(failures.items())
+@dataclass
+class Tally:
+    """What one round of simulations ran, over its waves: the runs, those that failed (and why),
+    how many were read from the cache, what the workspace left out, and since when."""
+
+    runs: list[Run] = field(default_factory=list)
+    failures: dict[Run, str] = field(default_factory=dict)
+    kept: int = 0
+    missing: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(
+        self, runs: tuple[Run, ...], failures: dict[Run, str], kept: int, missing: str | None
+    ) -> None:
+        self.runs += runs
+        self.failures.update(failures)
+        self.kept += kept
+        self.missing = self.missing or missing
+
+    def note(self, size: int, shared: bool) -> str:
+        """The plan's reason for the round."""
+        seconds = time.perf_counter() - self.started
+        shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
+        if self.kept:
+            shared_out += f", {self.kept} read from autoshard's cache: {cache.directory()}"
+        checkpointed = ", ".join(str(s) for s, ck in self.runs if ck)
+        also = f"; with every block checkpointed: {checkpointed}" if checkpointed else ""
+        note = (
+            f"estimates from simulated steps on fake tensors at {size} rank(s) "
+            f"({len(self.runs)} run(s), {seconds:.1f}s{shared_out}){also}"
         )
-        note += f"; not simulated: {listed}"
-    if missing:
-        note += f"; {missing}"
-    return note
+        if self.failures:
+            listed = "; ".join(
+                f"{s}{' checkpointed' if ck else ''} ({e})"
+                for (s, ck), e in sorted(self.failures.items())
+            )
+            note += f"; not simulated: {listed}"
+        if self.missing:
+            note += f"; {self.missing}"
+        return note
 
 
 def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:

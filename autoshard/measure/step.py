@@ -40,13 +40,13 @@ def tracked_step(
     batch: Any,
     setup: Setup,
     strategy: Strategy,
-    blocks: list[nn.Module] | None = None,
-    record: bool = False,
+    labelled: list[tuple[nn.Module, str]] | None = None,
 ) -> tuple[dict[str, list[Phase]], Phase]:
-    """The breakdowns of each moment of forward and backward (`Moments`, over `blocks`, the
-    model's repeated blocks in order) and at the optimizer step's peak of a steady step. Each
-    moment has its peak, or with `record` the bytes after each of its operators (where this
-    torch's tracker lets them be read; else its peak).
+    """The breakdowns of each moment of forward and backward (`Moments`, over the `labelled`
+    blocks, the model's repeated blocks in order, each with its label) and at the optimizer
+    step's peak of a steady step. Each moment has its peak, or, where blocks are labelled (to be
+    extended), the bytes after each of its operators (where this torch's tracker lets them be
+    read; else its peak).
 
     The optimizer state is alive and unchanged through forward and backward, so it adds to
     that peak without moving it: for the optimizers in `_STATE_FIRST` the one measured step
@@ -78,8 +78,8 @@ def tracked_step(
     else:
         tracker = frozen_safe(MemTracker())
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
-    moments = Moments(tracker, blocks or [])
-    moments.recording = record and tracker_global_peak_only(tracker, moments.observe)
+    moments = Moments(tracker, labelled or [])
+    moments.recording = bool(labelled) and tracker_global_peak_only(tracker, moments.observe)
     if not moments.recording:
         tracker_global_peak_only(tracker)
     # inside the tracker, which so sees the workspace blocks
@@ -117,7 +117,6 @@ def tracked_step(
 FORWARD = "forward"  # up to the first block
 AFTER_BLOCKS = "forward after the blocks"  # the head and the loss
 HEAD = "head backward"  # from the loss down to the last block's backward
-INTERIOR = "interior block"
 
 
 class Moments:
@@ -127,16 +126,17 @@ class Moments:
     begins (the gradient of its output is ready). The moments: the forward up to the first
     block, each block's forward, the rest of the forward (head and loss), the head's backward
     (down to the last block), then each block's backward, the first block's running to the end
-    of backward. A block's label counts from the nearer end (`block_label`), so that a model
-    simulated at two depths has the same moments at both and each can be extended to the full
-    depth on its own (`simulate._extend_moments`): the peak's moment can move with depth (the
-    head's backward with few blocks, the end of backward or of forward with many), which one
-    global peak per depth misses (a 22-block Llama under DDP with every block checkpointed:
-    18.66 GiB extended that way, 19.19 GiB simulated whole)."""
+    of backward. A block's label names the same block of the model at every depth simulated
+    (`layout.Stretch.label`), so that a model simulated at two depths has the same moments at
+    both and each can be extended to the full depth on its own (`simulate._extend_moments`):
+    the peak's moment can move with depth (the head's backward with few blocks, the end of
+    backward or of forward with many), which one global peak per depth misses (a 22-block
+    Llama under DDP with every block checkpointed: 18.66 GiB extended that way, 19.19 GiB
+    simulated whole)."""
 
-    def __init__(self, tracker: Any, blocks: list[nn.Module]) -> None:
+    def __init__(self, tracker: Any, labelled: list[tuple[nn.Module, str]]) -> None:
         self.tracker = tracker
-        self.blocks = blocks
+        self.labelled = labelled
         self.seen: dict[str, Phase] = {}
         self.label: str | None = FORWARD
         self.in_backward = False
@@ -174,13 +174,12 @@ class Moments:
     def marked(self) -> Iterator[None]:
         """Each block hooked for the duration: its forward, and its backward (the gradient of
         its output ready), each start a moment; the last block's end starts the head's."""
-        depth = len(self.blocks)
         handles = [
             hook
-            for i, block in enumerate(self.blocks)
+            for block, label in self.labelled
             for hook in (
-                block.register_forward_pre_hook(self._forward_starts(block_label(i, depth))),
-                block.register_forward_hook(self._hook_outputs(block_label(i, depth))),
+                block.register_forward_pre_hook(self._forward_starts(label)),
+                block.register_forward_hook(self._hook_outputs(label)),
             )
         ]
         try:
@@ -199,23 +198,13 @@ class Moments:
 
     def _hook_outputs(self, label: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.in_backward and module is self.blocks[-1]:
+            if not self.in_backward and module is self.labelled[-1][0]:
                 self.mark(AFTER_BLOCKS)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: self.mark(label))
 
         return hook
-
-
-def block_label(index: int, depth: int) -> str:
-    """The first two and last two blocks by their distance from the nearer end; the others are
-    interior (a block's peak is linear in its position, so the most of them sits at an end)."""
-    if index < 2:
-        return f"block {index}"
-    if index >= depth - 2:
-        return f"block {index - depth}"  # -1: the last, -2: the one before
-    return INTERIOR
 
 
 def peak_of(moments: dict[str, list[Phase]]) -> Phase:

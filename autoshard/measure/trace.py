@@ -354,29 +354,32 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return param.dtype if param is not None else torch.float32
 
 
-def extended(profile: ActivationProfile, block_names: list[str], depth: int) -> ActivationProfile:
-    """The profile of a model of `depth` alike blocks, from one traced with its first few
-    (`block_names`, the traced ones): every later block saves, takes and computes what the last
-    traced one did, its parameters unused where that block's were."""
-    traced = len(profile.block_saved_bytes)
-    extra = depth - traced
-    if extra <= 0:
+def extended(
+    profile: ActivationProfile, block_names: list[str], source: dict[str, str]
+) -> ActivationProfile:
+    """The profile of the model whose blocks are `block_names`, from one traced with some of
+    them (`source` maps each block to the traced block that stands for it, `layout.Layout.source`;
+    a traced block keeps its name): every block saves, takes and computes what its source did,
+    its parameters unused where the source's were."""
+    traced = list(dict.fromkeys(source[n] for n in block_names))  # the traced blocks, in order
+    if len(traced) == len(block_names):
         return profile
-    parent, _, last = block_names[traced - 1].rpartition(".")
-    prefix = f"{parent}.{last}." if parent else f"{last}."
-    unused = list(profile.unused_parameters)
-    for name in profile.unused_parameters:
-        if name.startswith(prefix):
-            rest = name[len(prefix) :]
-            unused += [
-                f"{parent}.{i}.{rest}" if parent else f"{i}.{rest}" for i in range(traced, depth)
-            ]
+    at = {name: i for i, name in enumerate(traced)}
+    prefixes = tuple(f"{name}." for name in traced)
+    unused = [p for p in profile.unused_parameters if not p.startswith(prefixes)]
+    for name in block_names:
+        prefix = f"{source[name]}."
+        unused += [
+            f"{name}.{p[len(prefix) :]}" for p in profile.unused_parameters if p.startswith(prefix)
+        ]
+    flops = tuple(profile.block_forward_flops[at[source[n]]] for n in block_names)
     return replace(
         profile,
-        block_saved_bytes=profile.block_saved_bytes + (profile.block_saved_bytes[-1],) * extra,
-        block_input_bytes=profile.block_input_bytes + (profile.block_input_bytes[-1],) * extra,
-        block_forward_flops=profile.block_forward_flops
-        + (profile.block_forward_flops[-1],) * extra,
-        total_forward_flops=profile.total_forward_flops + extra * profile.block_forward_flops[-1],
+        block_saved_bytes=tuple(profile.block_saved_bytes[at[source[n]]] for n in block_names),
+        block_input_bytes=tuple(profile.block_input_bytes[at[source[n]]] for n in block_names),
+        block_forward_flops=flops,
+        total_forward_flops=profile.total_forward_flops
+        + sum(flops)
+        - sum(profile.block_forward_flops),
         unused_parameters=tuple(unused),
     )
