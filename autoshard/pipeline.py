@@ -248,7 +248,12 @@ def _simulated(
     else:
         if target.in_job and target.world.distributed:  # one process: the simulation says so
             progress(target, f"simulating {', '.join(map(str, strategies))} on fake tensors")
-        inputs = with_simulation(inputs, work, names, target.device, strategies, target.in_job)
+        # prepare needs the fastest candidate that fits; a what-if plan shows every one, and each
+        # candidate's own largest batch needs each simulated
+        every = not target.in_job or target.probe or request.max_batch
+        inputs = with_simulation(
+            inputs, work, names, target.device, strategies, target.in_job, every
+        )
     return inputs, strategies, job, num_nodes
 
 

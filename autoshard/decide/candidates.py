@@ -150,7 +150,11 @@ def decide(
     strategy the job cannot use is refused earlier, by `check_forced`)."""
     if forced_strategy is not None and forced_strategy not in strategies:
         raise ValueError(f"strategy {forced_strategy} cannot train this job")
-    strategies = searched(strategies, inputs.world_size, forced_strategy)
+    strategies = tuple(
+        s
+        for s in searched(strategies, inputs.world_size, forced_strategy)
+        if recipe(s).simulation not in inputs.outweighed
+    )
     shown: list[Candidate] = []
     for strategy in strategies:
         error = crash(inputs, strategy, forced_ac or 0)

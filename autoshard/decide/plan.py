@@ -68,6 +68,8 @@ class PlanInputs:
     host_usable_bytes: int | None = None  # host RAM per rank for CPU offload (None: unknown)
     # runs whose own step failed in simulation (`measure.crash`): their candidates are not offered
     crashed: dict[tuple[Strategy, bool], str] = field(default_factory=dict)
+    # strategies (as simulated) left unsimulated: slower than a candidate that fits (not shown)
+    outweighed: tuple[Strategy, ...] = ()
 
     @property
     def ranks_per_node(self) -> int:

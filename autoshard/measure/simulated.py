@@ -7,11 +7,13 @@ from dataclasses import replace
 
 import torch
 
-from autoshard.decide.candidates import candidate
+from autoshard.decide.candidates import candidate, crash
+from autoshard.decide.estimate import Simulated
 from autoshard.decide.job import Work
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.validate import Request
-from autoshard.measure.simulate import Setup, combine, simulate_all
+from autoshard.measure.facts import forced_checkpointing
+from autoshard.measure.simulate import Setup, Tally, combine, simulate_all
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -23,10 +25,12 @@ def with_simulation(
     device: torch.device,
     strategies: tuple[Strategy, ...],
     shared: bool = False,
+    every: bool = False,
 ) -> PlanInputs:
-    """`inputs` with every strategy that may be tried simulated (`measure.simulate`). With `shared`
-    (inside a job, from `prepare`) every rank calls this at the same point: the simulations are
-    shared out and gathered."""
+    """`inputs` with every strategy that may be chosen simulated (`measure.simulate`), fastest
+    first; with `every`, every strategy that may be tried. With `shared` (inside a job, from
+    `prepare`) every rank calls this at the same point: the simulations are shared out and
+    gathered."""
     model, optimizer, batch = work.model, work.optimizer, work.batch
     loss_fn, request = work.loss_fn, work.request
     if batch is None:
@@ -60,25 +64,46 @@ def with_simulation(
     # checkpointed too (`_first_round` says which of those runs wait for a second round).
     checkpointable = inputs.num_blocks > 0 and request.activation_checkpointing != 0
     simulating = tuple(s for s in wanted if s not in hopeless)
+    ranks = inputs.world_size if shared else 1
     first: tuple[Strategy, ...] = ()
     if checkpointable:
         picked = _to_checkpoint(inputs, strategies, request, simulating)
         forced = request.activation_checkpointing is not None
-        ranks = inputs.world_size if shared else 1
         first = _first_round(picked, forced, len(simulating), ranks)
     crashes: dict[tuple[Strategy, bool], str] = {}
-    runs, note = simulate_all(
-        model,
-        setup,
-        simulating,
-        stats,
-        inputs.world_size,
-        checkpointed=first,
-        shared=shared,
-        crashes=crashes,
-    )
-    notes = [note]
-    inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
+    runs: dict[tuple[Strategy, bool], Simulated] = {}
+    notes: list[str] = []
+    forced_ac = forced_checkpointing(request, inputs.num_blocks)
+    # Under auto, the fastest strategies are simulated first, as many at once as there are
+    # ranks to share them out: those slower than a candidate already found to fit cannot be
+    # chosen, and are left to the formulas (`_slower`). Every strategy is simulated where each
+    # candidate's own figure is asked for (the largest batch of each, and its probes).
+    order = sorted(simulating, key=lambda s: _seconds(inputs, strategies, s, forced_ac or 0))
+    wave = len(order) if every or request.strategy is not None else ranks
+    pending = order
+    skipped: list[Strategy] = []
+    tally = Tally()  # the waves' one note
+    while pending:
+        now, pending = pending[:wave], pending[wave:]
+        more, note = simulate_all(
+            model,
+            setup,
+            tuple(now),
+            stats,
+            inputs.world_size,
+            checkpointed=tuple(s for s in first if s in now),
+            shared=shared,
+            crashes=crashes,
+            tally=tally,
+        )
+        runs.update(more)
+        inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
+        done = [s for s in order if s not in pending]
+        slower = [s for s in pending if _slower(inputs, strategies, s, done, forced_ac or 0)]
+        skipped += slower
+        pending = [s for s in pending if s not in slower]
+        if not pending:
+            notes.append(note)
     if checkpointable:
         simulated = tuple(s for s, checkpointed in runs if not checkpointed)
         again = tuple(
@@ -98,6 +123,14 @@ def with_simulation(
             runs.update(more)
             notes.append(more_note)
             inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
+    if skipped:
+        names = ", ".join(str(s) for s in strategies if recipe(s).simulation in skipped)
+        notes.append(
+            f"{names} not simulated nor shown: slower than a candidate that fits (force one "
+            f"with strategy= to see its estimate; the trial step may still fall back to them, "
+            f"by their formulas' estimates)"
+        )
+        inputs = replace(inputs, outweighed=tuple(skipped))
     if hopeless:
         names = ", ".join(str(s) for s in hopeless)
         notes.append(
@@ -105,6 +138,39 @@ def with_simulation(
             f"optimizer state alone exceed the usable memory"
         )
     return replace(inputs, reasons=(*inputs.reasons, *notes))
+
+
+def _seconds(
+    inputs: PlanInputs, strategies: tuple[Strategy, ...], simulation: Strategy, checkpointed: int
+) -> float:
+    """The modelled step time of the fastest strategy simulated as `simulation` (which the
+    simulation does not change: it depends on the model, the hardware and the strategy)."""
+    return min(
+        candidate(inputs, s, checkpointed).step_seconds
+        for s in strategies
+        if recipe(s).simulation == simulation
+    )
+
+
+def _slower(
+    inputs: PlanInputs,
+    strategies: tuple[Strategy, ...],
+    simulation: Strategy,
+    done: list[Strategy],
+    checkpointed: int,
+) -> bool:
+    """Whether every strategy simulated as `simulation` is slower than a candidate of the
+    simulated strategies (`done`) that fits with `checkpointed` blocks (0 under auto: a
+    candidate checkpointing more blocks is no faster). Such a strategy cannot be chosen; ties
+    are simulated, so that the choice among equals is the one a full simulation makes."""
+    fitting = [
+        c.step_seconds
+        for s in strategies
+        if recipe(s).simulation in done
+        and (c := candidate(inputs, s, checkpointed)).fits
+        and not crash(inputs, s, checkpointed)
+    ]
+    return bool(fitting) and min(fitting) < _seconds(inputs, strategies, simulation, checkpointed)
 
 
 def _first_round(

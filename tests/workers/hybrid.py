@@ -53,6 +53,7 @@ def auto_offers_hybrid() -> dict[str, Any]:
     return {
         "candidates": sorted({c.strategy.value for c in plan.candidates}),
         "strategy": plan.strategy.value,
+        "reasons": list(plan.reasons),
     }
 
 
