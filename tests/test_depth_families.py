@@ -1,0 +1,57 @@
+"""The depth extension (`measure.simulate`) across model layouts: the extended estimate must equal
+the simulation of the whole model, for one family of each layout of blocks
+(`benchmarks/deep_families.py`; `benchmarks/depth_extension.py` runs every family, strategy and
+setting). An extension that falls short is an out-of-memory error after `prepare`.
+
+One strategy a family, the three spread over the layouts, each with activation checkpointing off
+and on; each must be extended (simulated shallow only), or the comparison proves nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from _dist import REPO
+
+from autoshard.measure.fake import unavailable
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(REPO / "benchmarks"))
+import depth_extension  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,  # two plans a case, one of every block: 2.5 min in all on 2 cores
+    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    # torch's module tracker, on a block freed before its backward hook ran
+    pytest.mark.filterwarnings("ignore:Module is None"),
+]
+
+TOLERANCE = depth_extension.TOLERANCE  # of the whole model's estimated peak
+
+# family: strategy (one of each layout)
+FAMILIES = {
+    "llama": "ddp",  # one list of alike blocks
+    "bart": "full_shard",  # encoder and decoder lists, of two classes
+    "qwen_moe_prefix": "shard_grad_op",  # the first two layers dense, the rest MoE
+    "qwen_moe_step2": "full_shard",  # MoE every second layer
+    "qwen2_alternating": "ddp",  # sliding and full attention alternating, one shape
+    "mixed_blocks": "shard_grad_op",  # two block classes alternating in one list
+}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize(("family", "strategy"), FAMILIES.items(), ids=list(FAMILIES))
+def test_the_extended_estimate_equals_the_whole_model_s(
+    family: str, strategy: str, checkpointed: bool
+) -> None:
+    extended = depth_extension.plan_peak(family, strategy, checkpointed, whole=False)
+    whole = depth_extension.plan_peak(family, strategy, checkpointed, whole=True)
+    assert whole["kind"] == "whole", whole  # the reference simulated every block
+    assert extended["kind"] == "ext", extended  # and the estimate never did
+    error = extended["peak"] - whole["peak"]
+    assert abs(error) <= TOLERANCE * whole["peak"], (
+        f"{family} {strategy} checkpointed={checkpointed}: extended {extended['peak']} against "
+        f"whole {whole['peak']} ({100 * error / whole['peak']:+.3f}%); simulated "
+        f"{extended['kind']} at depths {extended['depths']} of {whole['blocks']} blocks"
+    )
