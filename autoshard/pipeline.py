@@ -247,7 +247,8 @@ def _simulated(
         inputs = replace(inputs, reasons=(*inputs.reasons, note))
     else:
         if target.in_job and target.world.distributed:  # one process: the simulation says so
-            progress(target, f"simulating {', '.join(map(str, strategies))} on fake tensors")
+            weighed = ", ".join(map(str, strategies))
+            progress(target, f"simulating on fake tensors, the fastest first: {weighed}")
         # prepare needs the fastest candidate that fits; a what-if plan shows every one, and each
         # candidate's own largest batch needs each simulated
         every = not target.in_job or target.probe or request.max_batch
