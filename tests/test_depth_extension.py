@@ -235,6 +235,8 @@ LAYOUTS = {
     "period_and_tail": (_Stack, ([i % 3 == 2 for i in range(80)],)),
     # two lists of different lengths: 32 blocks in 16 periods of two, beside 16 of one
     "two_lists": (_Lists, ([False] * 32, [True] * 16)),
+    # a first list that does not repeat (kept whole), a second that does
+    "unrepeated_first": (_Lists, ([False, True, True, False], [False] * 32)),
 }
 
 
@@ -261,6 +263,7 @@ def _layout_plan(model: torch.nn.Module, strategy: str, checkpointed: bool) -> i
         ("period_and_tail", "shard_grad_op"),
         ("two_lists", "full_shard"),
         ("two_lists", "ddp"),
+        ("unrepeated_first", "shard_grad_op"),
     ],
 )
 def test_each_layout_extends_to_the_whole_model_s_estimate(
@@ -301,6 +304,11 @@ def test_the_layouts_found() -> None:
     assert found("lead") == [(3, 1, 37, 0)]
     assert found("period_and_tail") == [(0, 3, 26, 2)]
     assert found("two_lists") == [(0, 2, 16, 0), (0, 1, 16, 0)]
+    assert found("unrepeated_first") == [(4, 1, 0, 0), (0, 1, 32, 0)]
+    build, arguments = LAYOUTS["unrepeated_first"]
+    model = build(*arguments)
+    names = [n for n, m in model.named_modules() if isinstance(m, _Block)]
+    assert layout_module.layout(model, names).periods == 32  # type: ignore[union-attr]
 
 
 def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(

@@ -80,7 +80,9 @@ class Layout:
 
     @property
     def periods(self) -> int:
-        return self.stretches[0].periods
+        """The number of periods of every list that repeats (a list that does not is all lead,
+        kept whole at every depth)."""
+        return max(s.periods for s in self.stretches)
 
     def kept(self, k: int) -> list[str]:
         """The blocks a copy with k periods of every list keeps, in the model's order."""
