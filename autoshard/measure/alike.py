@@ -10,7 +10,9 @@ difference lives in each layer's attributes (`self.sliding_window = ... if self.
 strings, flags, None, tuples of them), the names of its callable ones (a partial's arguments
 too), each submodule's class (an activation chosen per layer has no parameters to tell it) and
 every parameter's and buffer's shape, dtype and trainability. An attribute that counts the
-blocks (`layer_idx`: one more per block) is no difference. Attributes that differ without
+blocks of the list (`layer_idx`: its position plus one constant, in every block) is no
+difference; any other int must be equal (a top-k of 1 in some layers, 2 in others is not a
+layer index, though it steps by one). Attributes that differ without
 changing memory (timm's drop-path rates, which grow with depth) cost the extension, never the
 estimate: such blocks are simulated whole.
 """
@@ -49,26 +51,40 @@ def describe(block: nn.Module) -> Described:
     return described
 
 
-def alike(a: Described, b: Described, apart: int = 1) -> bool:
-    """Whether the blocks described compute alike, `apart` positions apart in their list."""
-    return _difference(a, b, apart) is None
+def counting(described: list[Described]) -> frozenset[str]:
+    """The attributes that count the blocks of one list (`layer_idx`): an int in every block,
+    its position in the list plus one constant. Only these may differ between blocks alike."""
+    if not described:
+        return frozenset()
+    keys = set(described[0]).intersection(*described[1:])
+    return frozenset(
+        key
+        for key in keys
+        if all(_is_int(d[key]) for d in described)
+        and len({d[key] - i for i, d in enumerate(described)}) == 1
+    )
+
+
+def alike(a: Described, b: Described, counted: frozenset[str] = frozenset()) -> bool:
+    """Whether the blocks described compute alike: equal but for the `counted` attributes."""
+    return _difference(a, b, counted) is None
 
 
 def differing(blocks: list[nn.Module]) -> str | None:
     """The first attribute ("module.attribute" inside a block) in which neighbouring `blocks`
     differ beyond their position, or None where they compute alike."""
     described = [describe(block) for block in blocks]
+    counted = counting(described)
     for a, b in zip(described, described[1:], strict=False):
-        key = _difference(a, b, 1)
+        key = _difference(a, b, counted)
         if key is not None:
             return key
     return None
 
 
-def _difference(a: Described, b: Described, apart: int) -> str | None:
+def _difference(a: Described, b: Described, counted: frozenset[str]) -> str | None:
     for key in sorted(a.keys() | b.keys()):
-        x, y = a.get(key, _ABSENT), b.get(key, _ABSENT)
-        if x != y and not _counts_blocks(x, y, apart):
+        if key not in counted and a.get(key, _ABSENT) != b.get(key, _ABSENT):
             return key
     return None
 
@@ -87,8 +103,5 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
-def _counts_blocks(x: Any, y: Any, apart: int) -> bool:
-    """The second block's value is the first's plus their distance (a layer index)."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (x, y)):
-        return False
-    return bool(y - x == apart)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoshard.measure.alike import alike, describe
+from autoshard.measure.alike import alike, counting, describe
 
 # Periods simulated: the first two give each moment's line, the third checks it. Deeper than
 # FSDP2's window (the block in backward, the one prefetched and one reduce-scattering), so that
@@ -153,11 +153,12 @@ def _stretch(model: nn.Module, names: list[str]) -> Stretch:
     lead."""
     blocks = [model.get_submodule(n) for n in names]
     described = [describe(b) for b in blocks]
+    counted = counting(described)
     n = len(blocks)
     best = Stretch(tuple(names), n, 1, 0)
     for period in range(1, n // (SHALLOW[-1] + 1) + 1):
         unlike = [
-            i for i in range(n - period) if not alike(described[i], described[i + period], period)
+            i for i in range(n - period) if not alike(described[i], described[i + period], counted)
         ]
         lead = unlike[-1] + 1 if unlike else 0
         periods = (n - lead) // period
