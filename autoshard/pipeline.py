@@ -248,7 +248,7 @@ def _simulated(
     else:
         if target.in_job and target.world.distributed:  # one process: the simulation says so
             weighed = ", ".join(map(str, strategies))
-            progress(target, f"simulating on fake tensors, the fastest first: {weighed}")
+            progress(target, f"simulating on fake tensors, the fastest first, of: {weighed}")
         # prepare needs the fastest candidate that fits; a what-if plan shows every one, and each
         # candidate's own largest batch needs each simulated
         every = not target.in_job or target.probe or request.max_batch

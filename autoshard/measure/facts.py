@@ -191,7 +191,10 @@ def _profile(
         return profile_step(model, blocks, batch, loss_fn, dtype)
     shallow, kept = shallow_copy(model, names, repeats.kept(SHALLOW[0]))
     traced = [shallow.get_submodule(n) for n in kept]
-    profile = profile_step(shallow, traced, batch, loss_fn, dtype)
+    try:
+        profile = profile_step(shallow, traced, batch, loss_fn, dtype)
+    except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
+        return profile_step(model, blocks, batch, loss_fn, dtype)
     return extended(profile, names, repeats.source(SHALLOW[0]))
 
 

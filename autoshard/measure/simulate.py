@@ -99,18 +99,32 @@ def simulate(
     repeats = layout(model, setup.block_names)
     degree = mesh.size() if recipe(strategy).sharded else 1
     if repeats is not None:
-        runs = {k: _run(model, setup, strategy, mesh, repeats, k) for k in SHALLOW}
-        while True:
-            k1, k2, k3 = sorted(runs)[-3:]
-            found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
-            if found is not None:
-                return Simulated(*found, degree)
-            if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
-                break
-            runs[k3 + 1] = _run(model, setup, strategy, mesh, repeats, k3 + 1)
-        logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
+        try:
+            found = _by_periods(model, setup, strategy, mesh, repeats)
+        except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
+            logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
+            found = None
+        if found is not None:
+            return Simulated(*found, degree)
     moments, step = _run(model, setup, strategy, mesh)
     return Simulated(peak_of(moments), step, degree)
+
+
+def _by_periods(
+    model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, repeats: Layout
+) -> tuple[Phase, Phase] | None:
+    """The forward/backward and step peaks from copies of 3, 4, 5 (then 6) periods of every
+    list, extended (`_extended`); None where they are not on one line."""
+    runs = {k: _run(model, setup, strategy, mesh, repeats, k) for k in SHALLOW}
+    while True:
+        k1, k2, k3 = sorted(runs)[-3:]
+        found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
+        if found is not None:
+            return found
+        if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
+            logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
+            return None
+        runs[k3 + 1] = _run(model, setup, strategy, mesh, repeats, k3 + 1)
 
 
 _Steps = tuple[dict[str, list[Phase]], Phase]
