@@ -47,6 +47,20 @@ def _peak(built: zoo.ZooModel, strategy: str, checkpointed: bool, device: str) -
     return plan.chosen.estimated_peak_bytes
 
 
+def _periods_simulated(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """From now on, the periods of each simulated run (`simulate._run`), "whole" for the whole
+    model's."""
+    periods: list[object] = []
+    run = simulate_module._run
+
+    def counted(*args: object) -> object:
+        periods.append(args[5] if len(args) > 5 else "whole")
+        return run(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(simulate_module, "_run", counted)
+    return periods
+
+
 @pytest.fixture(scope="module")
 def llama() -> zoo.ZooModel:
     # a head of 8000 logits a token over 128 tokens: large beside a block of width 256
@@ -70,14 +84,7 @@ def test_the_extended_estimate_equals_the_whole_model_s(
     checkpointed: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[object] = []
-    run = simulate_module._run
-
-    def counted(*args: object) -> object:
-        calls.append(args[5] if len(args) > 5 else "whole")
-        return run(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(simulate_module, "_run", counted)
+    calls = _periods_simulated(monkeypatch)
     # planned for GPUs (the what-if needs none): no gloo buffer on top of the simulated step
     extended = _peak(llama, strategy, checkpointed, "cuda")
     assert "whole" not in calls, f"simulated whole, not extended: periods {calls}"
@@ -241,7 +248,11 @@ LAYOUTS = {
 
 
 def _layout_plan(model: torch.nn.Module, strategy: str, checkpointed: bool) -> int:
-    plan = autoshard.plan(
+    return _layout_planned(model, strategy, checkpointed).chosen.estimated_peak_bytes
+
+
+def _layout_planned(model: torch.nn.Module, strategy: str, checkpointed: bool) -> autoshard.Plan:
+    return autoshard.plan(
         model,
         torch.optim.AdamW(model.parameters()),
         torch.randn(256, 64),
@@ -251,7 +262,6 @@ def _layout_plan(model: torch.nn.Module, strategy: str, checkpointed: bool) -> i
         mixed_precision="no",
         activation_checkpointing=checkpointed,
     )
-    return plan.chosen.estimated_peak_bytes
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
@@ -275,14 +285,7 @@ def test_each_layout_extends_to_the_whole_model_s_estimate(
     names = [n for n, m in model.named_modules() if isinstance(m, _Block)]
     repeats = layout_module.layout(model, names)
     assert repeats is not None, name
-    periods: list[object] = []
-    run = simulate_module._run
-
-    def counted(*args: object) -> object:
-        periods.append(args[5] if len(args) > 5 else "whole")
-        return run(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(simulate_module, "_run", counted)
+    periods = _periods_simulated(monkeypatch)
     extended = _layout_plan(model, strategy, checkpointed)
     assert "whole" not in periods, periods
     monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
@@ -345,17 +348,12 @@ def test_where_three_four_and_five_periods_disagree_six_is_tried(
     build, arguments = LAYOUTS["alternating"]
     torch.manual_seed(0)
     model = build(*arguments)
-    periods: list[object] = []
-    run, extended_from = simulate_module._run, simulate_module._extended
-
-    def counted(*args: object) -> object:
-        periods.append(args[5] if len(args) > 5 else "whole")
-        return run(*args)  # type: ignore[arg-type]
+    periods = _periods_simulated(monkeypatch)
+    extended_from = simulate_module._extended
 
     def not_from_three(*args: object) -> object:
         return None if args[3][0] == 3 else extended_from(*args)  # type: ignore[arg-type, index]
 
-    monkeypatch.setattr(simulate_module, "_run", counted)
     monkeypatch.setattr(simulate_module, "_extended", not_from_three)
     extended = _layout_plan(model, "shard_grad_op", True)
     assert periods[:4] == [3, 4, 5, 6] and "whole" not in periods, periods
@@ -421,16 +419,7 @@ def test_a_model_whose_shallow_copy_fails_is_traced_and_simulated_whole(
 ) -> None:
     model = _Strict(DEPTH)
     assert layout_module.layout(model, [f"blocks.{i}" for i in range(DEPTH)]) is not None
-    plan = autoshard.plan(
-        model,
-        torch.optim.AdamW(model.parameters()),
-        torch.randn(256, 64),
-        world_size=2,
-        device_memory="80GiB",
-        strategy="ddp",
-        mixed_precision="no",
-        activation_checkpointing=False,
-    )
+    plan = _layout_planned(model, "ddp", False)
     assert not any("analytic" in r or "not simulated" in r for r in plan.reasons), plan.reasons
     monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
     assert plan.chosen.estimated_peak_bytes == _layout_plan(model, "ddp", False)
