@@ -9,6 +9,7 @@ one agreement (`collective.agree`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -233,3 +234,21 @@ class RankReport:
     offload_throughput: Any = None
     # this rank's GPU throughput for the cost model (`measure.device`); None off CUDA
     device_throughput: Any = None
+
+
+def spare_processes() -> int:
+    """How many processes this rank may start beside itself without slowing anything down: its
+    share of the cores no process is using (the cores it may run on, less the load: at least
+    this node's ranks, busy planning) and of half the memory available, a process taking as much
+    as this one does."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    try:
+        load = math.ceil(os.getloadavg()[0])
+    except (AttributeError, OSError):  # no load average (Windows): no core is known idle
+        return 0
+    idle = max(0, (cores or 1) - max(load, ranks)) // ranks
+    each = max(1, psutil.Process().memory_info().rss)
+    return min(idle, psutil.virtual_memory().available // 2 // each // ranks)

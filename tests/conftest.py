@@ -18,6 +18,10 @@ import pytest
 # between, must simulate both times, and no test writes under the home directory.
 # tests/test_cache.py turns it on, in a directory of its own, where it is what is tested.
 os.environ["AUTOSHARD_CACHE"] = "0"
+# Simulations shared out to worker processes (measure/pool.py) give the same results as this
+# process alone; the suite, which plans hundreds of times, would start workers for each plan
+# wherever a core is idle. tests/test_pool.py starts them, where they are what is tested.
+os.environ["AUTOSHARD_SIMULATION_WORKERS"] = "0"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

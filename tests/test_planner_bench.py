@@ -44,6 +44,22 @@ def test_planner_reports_cold_warm_and_phases() -> None:
     assert int(phases[1]) >= 4 and int(phases[2].replace(",", "")) > 0
 
 
+def test_parallel_simulation_reports_the_same_plan_with_workers() -> None:
+    """benchmarks/parallel_simulation.py: a plan without workers and with one, compared."""
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "parallel_simulation.py"),
+        "--cases",
+        "tiny_llama",
+        "--workers",
+        "1",
+    ]
+    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
+    assert code == 0 and not timed_out, output[-3000:]
+    row = re.search(r"\| tiny_llama \| [\d.]+ \| [\d.]+ \| (\d+) \| (\w+) \|", output)
+    assert row is not None and row[2] == "yes", output[-3000:]
+
+
 def _env() -> dict[str, str]:
     """This checkout importable, no launcher's variables, no GPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -22,6 +22,9 @@ What is derived instead of simulated again:
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
   simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
+Where this machine's cores are idle, the runs of each round are shared out with worker processes
+(`workers`, `measure.pool`): each run gets the same bytes wherever it is made.
+
 DDP is simulated unwrapped with every gradient allocated before the step and zeroed in place:
 with `gradient_as_bucket_view=True` the gradients are views of DDP's buckets, which live from
 construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are not in it.
@@ -29,8 +32,10 @@ construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -48,13 +53,15 @@ from autoshard.measure.fake import (
     fake_mesh,
     fake_optimizer,
     fake_tensor,
+    shallow_copy,
     unavailable,
     wider_fake_kernels,
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
+from autoshard.measure.pool import Pool, payload, worker_count
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import peak_of, total, tracked_step, with_state
-from autoshard.measure.workspace import unmeasured_note
+from autoshard.measure.workspace import merge_unmeasured, take_unmeasured, unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
@@ -89,33 +96,48 @@ class Setup:
     answers: tuple[tuple[str, bool], ...] = ()
 
 
+_Steps = tuple[dict[str, list[Phase]], Phase]
+
+
 def simulate(
     model: nn.Module,
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
+    done: Mapping[int | None, _Steps] | None = None,
 ) -> Simulated:
-    """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow."""
+    """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow.
+    `done` has the runs already made elsewhere (`_shared_out`), by their number of periods (None:
+    the whole model); the others are run here."""
+    done = done or {}
+
+    def run(repeats: Layout | None, periods: int | None) -> _Steps:
+        if periods in done:
+            return done[periods]
+        if repeats is None or periods is None:
+            return _run(model, setup, strategy, mesh)
+        return _run(model, setup, strategy, mesh, repeats, periods)
+
     repeats = layout(model, setup.block_names)
     degree = mesh.size() if recipe(strategy).sharded else 1
     if repeats is not None:
         try:
-            found = _by_periods(model, setup, strategy, mesh, repeats)
+            found = _by_periods(run, strategy, repeats)
         except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
             return Simulated(*found, degree)
-    moments, step = _run(model, setup, strategy, mesh)
+    moments, step = run(None, None)
     return Simulated(peak_of(moments), step, degree)
 
 
 def _by_periods(
-    model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any, repeats: Layout
+    run: Callable[[Layout, int], _Steps], strategy: Strategy, repeats: Layout
 ) -> tuple[Phase, Phase] | None:
     """The forward/backward and step peaks from copies of 3, 4, 5 (then 6) periods of every
-    list, extended (`_extended`); None where they are not on one line."""
-    runs = {k: _run(model, setup, strategy, mesh, repeats, k) for k in SHALLOW}
+    list (`run`), extended (`_extended`); None where they are not on one line."""
+    runs = {k: run(repeats, k) for k in SHALLOW}
     while True:
         k1, k2, k3 = sorted(runs)[-3:]
         found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
@@ -124,10 +146,7 @@ def _by_periods(
         if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
             logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
             return None
-        runs[k3 + 1] = _run(model, setup, strategy, mesh, repeats, k3 + 1)
-
-
-_Steps = tuple[dict[str, list[Phase]], Phase]
+        runs[k3 + 1] = run(repeats, k3 + 1)
 
 
 def _extended(
@@ -258,6 +277,7 @@ def simulate_all(
     shared: bool = False,
     crashes: dict[Run, str] | None = None,
     tally: Tally | None = None,
+    pool: Pool | None = None,
 ) -> tuple[dict[Run, Simulated], str]:
     """Simulate each strategy, and each of `checkpointed` with every block checkpointed; returns
     the simulations by run (as rank 0 sees them: its shard is the largest) and a note for the
@@ -273,14 +293,13 @@ def simulate_all(
     to the derivation from the unchecked one), and the note says so; where the run's own
     wrapping is what fails (`crash.crash_of`), it is added to `crashes`. Calls made in waves
     (fastest strategies first, `measure.simulated`) pass one `tally`: the note then says what
-    all of them ran.
+    all of them ran. With a `pool` (`workers`), this rank's runs are shared out with its workers.
     """
     reason = unavailable()
     if reason is not None:
         return {}, f"estimates are analytic: {reason}"
     in_job = dist.is_initialized()
-    rank = dist.get_rank() if in_job else 0
-    size = world_size if in_job else min(world_size, MAX_SIMULATED_DEGREE)
+    size, rank = _simulated_world(world_size)
     shared = shared and in_job
     runs = (*((s, False) for s in strategies), *((s, True) for s in checkpointed))
     tally = tally if tally is not None else Tally()
@@ -307,13 +326,16 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
+        ahead = _shared_out(model, setup, mine, mesh, pool)
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""
             report(f"simulating {strategy}{how} at {size} rank(s) on fake tensors")
             run_setup = replace(setup, checkpoint_all=all_blocks)
             try:
-                simulated = simulate(model, run_setup, strategy, mesh)
+                simulated = simulate(
+                    model, run_setup, strategy, mesh, ahead.get((strategy, all_blocks))
+                )
             except Exception as error:  # noqa: BLE001 - reported in the plan; analytic instead
                 logger.debug("simulating %s failed", strategy, exc_info=True)
                 failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
@@ -341,7 +363,142 @@ def simulate_all(
     results.update({run: simulated for run, (simulated, _) in kept.items()})
     missing = missing or next((m for _, m in kept.values() if m), None)
     tally.add(runs, failures, len(kept), missing)
+    if pool is not None:
+        tally.workers = (pool.size, pool.done_by_workers)
     return dict(sorted(results.items())), tally.note(size, shared)
+
+
+def _simulated_world(world_size: int) -> tuple[int, int]:
+    """The fake process group's size and this process's rank in it: the job's inside one, else
+    at most MAX_SIMULATED_DEGREE ranks (the estimate rescales) with this process rank 0."""
+    if dist.is_initialized():
+        return world_size, dist.get_rank()
+    return min(world_size, MAX_SIMULATED_DEGREE), 0
+
+
+# One run at one depth: its strategy, whether every block is checkpointed, its number of periods
+# (None: the whole model)
+_Job = tuple[Strategy, bool, int | None]
+
+
+@contextlib.contextmanager
+def workers(
+    model: nn.Module, setup: Setup, world_size: int, runs: int, run_here: bool = True
+) -> Iterator[Pool | None]:
+    """Worker processes for `simulate_all`'s runs on this rank (`measure.pool`), where the first
+    round's `runs` (on this rank) leave some to share out and this machine's cores are idle;
+    None where not, or where the model, optimizer, batch or loss cannot be sent to them. (With
+    `run_here` False this process leaves every run to them: `Pool`.)"""
+    depths = len(SHALLOW) if layout(model, setup.block_names) is not None else 1
+    count = worker_count(setup.device, runs * depths)
+    if count == 0 or unavailable() is not None:
+        yield None
+        return
+    size, rank = _simulated_world(world_size)
+    message = payload(serving, (*_portable(model, setup), _settings(), size, rank))
+    if message is None:
+        yield None
+        return
+    with Pool(message, count, run_here) as pool:
+        yield pool
+
+
+def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:
+    """The model's module tree on the meta device (no tensor memory, ties kept) and the setup with
+    its optimizer rebuilt over it: what a worker simulates exactly as this process would."""
+    meta: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    meta.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    copy, _ = shallow_copy(model, setup.block_names, setup.block_names, meta)
+    optimizer = fake_optimizer(setup.optimizer, model, copy)
+    return copy, replace(setup, optimizer=optimizer, batch=tree_map(_View.of, setup.batch))
+
+
+@dataclass(frozen=True)
+class _View:
+    """A view of a batch tensor, as its base and its place in it. Pickling keeps a view's offset
+    into its storage but not that it is a view, and a fake copy of a view holds its base's whole
+    storage where a copy of a plain tensor holds only what it spans: a batch sliced out of a
+    larger one (each rank's rows of a global batch) was counted half as large in a worker."""
+
+    base: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x._is_view() or x._base is None:
+            return x
+        return _View(x._base, tuple(x.size()), x.stride(), int(x.storage_offset()))
+
+    @staticmethod
+    def made(x: Any) -> Any:
+        if not isinstance(x, _View):
+            return x
+        return x.base.as_strided(x.size, x.stride, x.offset)
+
+
+def _settings() -> tuple[torch.dtype, bool, str]:
+    """This process's settings that change what a fake step allocates (a script that made
+    float64 the default dtype creates float64 tensors in its forward), for a worker to take."""
+    return (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+
+
+@contextlib.contextmanager
+def serving(
+    state: tuple[nn.Module, Setup, tuple[torch.dtype, bool, str], int, int],
+) -> Iterator[Callable[[_Job], Any]]:
+    """A worker's side (`measure.worker`): the caller's settings, the fake process group
+    `simulate_all` would use, and the function running one job there, returning its steps and
+    the kernel workspaces it met that could not be measured."""
+    model, setup, (dtype, deterministic, precision), size, rank = state
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_float32_matmul_precision(precision)
+    setup = replace(setup, batch=tree_map(_View.made, setup.batch))
+    repeats = layout(model, setup.block_names)
+    with own_runs_quiet(), fake_mesh(size, rank, setup.device.type) as mesh:
+        yield lambda job: (_job(model, setup, mesh, repeats, job), take_unmeasured())
+
+
+def _shared_out(
+    model: nn.Module, setup: Setup, runs: list[Run], mesh: Any, pool: Pool | None
+) -> dict[Run, dict[int | None, _Steps]]:
+    """The steps `simulate` starts each run from (its first depths, or the whole model), made by
+    this process and `pool`'s workers together; nothing without a pool. A step that failed is
+    left out: `simulate` runs it again, and handles its failure as it always does."""
+    if pool is None or not runs:
+        return {}
+    repeats = layout(model, setup.block_names)
+    depths = SHALLOW if repeats is not None else (None,)
+    jobs: list[_Job] = [(strategy, all_blocks, k) for strategy, all_blocks in runs for k in depths]
+    report = logger.debug if dist.is_initialized() else logger.info  # the planner CLI shows INFO
+    report(f"sharing {len(jobs)} fake step(s) out with {pool.size} worker process(es)")
+
+    def here(job: _Job) -> tuple[_Steps, dict[Any, str]]:
+        return _job(model, setup, mesh, repeats, job), {}  # this process's notes are its own
+
+    made = pool.run_all(jobs, here)
+    found: dict[Run, dict[int | None, _Steps]] = {}
+    for (strategy, all_blocks, k), (steps, unmeasured) in made.items():
+        merge_unmeasured(unmeasured)
+        found.setdefault((strategy, all_blocks), {})[k] = steps
+    return found
+
+
+def _job(model: nn.Module, setup: Setup, mesh: Any, repeats: Layout | None, job: _Job) -> _Steps:
+    strategy, all_blocks, periods = job
+    run_setup = replace(setup, checkpoint_all=all_blocks)
+    if periods is None:
+        return _run(model, run_setup, strategy, mesh)
+    return _run(model, run_setup, strategy, mesh, repeats, periods)
 
 
 def _entry(value: dict[str, Any]) -> tuple[Simulated, str | None]:
@@ -386,6 +543,7 @@ class Tally:
     kept: int = 0
     missing: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    workers: tuple[int, int] = (0, 0)  # worker processes (`workers`), fake steps they made
 
     def add(
         self, runs: tuple[Run, ...], failures: dict[Run, str], kept: int, missing: str | None
@@ -399,6 +557,9 @@ class Tally:
         """The plan's reason for the round."""
         seconds = time.perf_counter() - self.started
         shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
+        if self.workers[0]:
+            count, made = self.workers
+            shared_out += f", {made} of the fake steps made by {count} worker process(es)"
         if self.kept:
             shared_out += f", {self.kept} read from autoshard's cache: {cache.directory()}"
         checkpointed = ", ".join(str(s) for s, ck in self.runs if ck)

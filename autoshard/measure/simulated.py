@@ -13,7 +13,7 @@ from autoshard.decide.job import Work
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.validate import Request
 from autoshard.measure.facts import forced_checkpointing
-from autoshard.measure.simulate import Setup, Tally, combine, simulate_all
+from autoshard.measure.simulate import Setup, Tally, combine, simulate_all, workers
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -80,49 +80,54 @@ def with_simulation(
     # candidate's own figure is asked for (the largest batch of each, and its probes).
     order = sorted(simulating, key=lambda s: _seconds(inputs, strategies, s, forced_ac or 0))
     wave = len(order) if every or request.strategy is not None else ranks
-    pending = order
-    skipped: list[Strategy] = []
-    tally = Tally()  # the waves' one note
-    while pending:
-        now, pending = pending[:wave], pending[wave:]
-        more, note = simulate_all(
-            model,
-            setup,
-            tuple(now),
-            stats,
-            inputs.world_size,
-            checkpointed=tuple(s for s in first if s in now),
-            shared=shared,
-            crashes=crashes,
-            tally=tally,
-        )
-        runs.update(more)
-        inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
-        done = [s for s in order if s not in pending]
-        slower = [s for s in pending if _slower(inputs, strategies, s, done, forced_ac or 0)]
-        skipped += slower
-        pending = [s for s in pending if s not in slower]
-        if not pending:
-            notes.append(note)
-    if checkpointable:
-        simulated = tuple(s for s, checkpointed in runs if not checkpointed)
-        again = tuple(
-            s for s in _to_checkpoint(inputs, strategies, request, simulated) if s not in first
-        )
-        if again:  # decided from agreed data: the same on every rank of a job
-            more, more_note = simulate_all(
+    # this rank's share of the first wave's runs, which may go to idle cores (`measure.pool`)
+    share = -(-(len(order[:wave]) + len(first)) // ranks)
+    with workers(model, setup, inputs.world_size, share) as pool:
+        pending = order
+        skipped: list[Strategy] = []
+        tally = Tally()  # the waves' one note
+        while pending:
+            now, pending = pending[:wave], pending[wave:]
+            more, note = simulate_all(
                 model,
                 setup,
-                (),
+                tuple(now),
                 stats,
                 inputs.world_size,
-                checkpointed=again,
+                checkpointed=tuple(s for s in first if s in now),
                 shared=shared,
                 crashes=crashes,
+                tally=tally,
+                pool=pool,
             )
             runs.update(more)
-            notes.append(more_note)
             inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
+            done = [s for s in order if s not in pending]
+            slower = [s for s in pending if _slower(inputs, strategies, s, done, forced_ac or 0)]
+            skipped += slower
+            pending = [s for s in pending if s not in slower]
+            if not pending:
+                notes.append(note)
+        if checkpointable:
+            simulated = tuple(s for s, checkpointed in runs if not checkpointed)
+            again = tuple(
+                s for s in _to_checkpoint(inputs, strategies, request, simulated) if s not in first
+            )
+            if again:  # decided from agreed data: the same on every rank of a job
+                more, more_note = simulate_all(
+                    model,
+                    setup,
+                    (),
+                    stats,
+                    inputs.world_size,
+                    checkpointed=again,
+                    shared=shared,
+                    crashes=crashes,
+                    pool=pool,
+                )
+                runs.update(more)
+                notes.append(more_note)
+                inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
     if skipped:
         names = ", ".join(str(s) for s in strategies if recipe(s).simulation in skipped)
         notes.append(

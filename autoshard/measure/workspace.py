@@ -194,6 +194,19 @@ def unmeasured_note(device: torch.device) -> str | None:
     return f"kernel workspace of {calls} not counted ({why})"
 
 
+def take_unmeasured() -> dict[tuple[Any, ...], str]:
+    """The calls met since the last note or take that could not be measured (a simulation
+    worker's, `measure.pool`, for its caller's note), forgotten here."""
+    taken = dict(_unmeasured)
+    _unmeasured.clear()
+    return taken
+
+
+def merge_unmeasured(calls: dict[tuple[Any, ...], str]) -> None:
+    """Adds calls taken elsewhere (`take_unmeasured`) to those the next note says."""
+    _unmeasured.update(calls)
+
+
 def _describe(args: Any, kwargs: Any) -> tuple[Any, ...]:
     """What determines a call's workspace: each tensor's shape, strides and dtype, every other
     argument's value."""

@@ -207,6 +207,40 @@ def local_strategy_on_two_ranks() -> dict[str, Any]:
 
 
 @cases.case
+def simulations_shared_out_to_workers() -> dict[str, Any]:
+    """Inside a job each rank shares its simulated runs out with a worker process of its own
+    (`measure.pool`), which simulates as that rank of a fake group: the same results as the
+    rank alone, gathered alike on both ranks."""
+    import os
+
+    from autoshard.decide.estimate import model_stats
+    from autoshard.measure.pool import WORKERS
+    from autoshard.measure.simulate import Setup, simulate_all, workers
+    from autoshard.strategies.strategy import Strategy
+
+    model, optimizer = build(WIDTH, DEPTH)
+    names = [f"blocks.{i}" for i in range(DEPTH)]
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, local_batches(1)[0], None, optimizer, None, torch.device("cpu"))
+    strategies = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
+    alone, _ = simulate_all(
+        model, setup, strategies, stats, 2, checkpointed=strategies, shared=True
+    )
+    os.environ[WORKERS] = "1"
+    try:
+        # 6 runs shared out between the 2 ranks: 3 on each, made by its worker
+        with workers(model, setup, 2, 3, run_here=False) as pool:
+            assert pool is not None
+            shared, note = simulate_all(
+                model, setup, strategies, stats, 2, checkpointed=strategies, shared=True, pool=pool
+            )
+            by_workers = pool.done_by_workers
+    finally:
+        del os.environ[WORKERS]
+    return {"equal": shared == alone, "runs": len(shared), "by_workers": by_workers, "note": note}
+
+
+@cases.case
 def still_in_step_after_errors() -> dict[str, Any]:
     """After the errors above, both ranks still meet in the same collectives and train."""
     model, optimizer = build()

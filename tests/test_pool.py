@@ -1,0 +1,269 @@
+"""Simulations shared out to worker processes (`measure.pool`): the same results as this process
+alone, whatever a worker does, and workers only where cores are idle and never on CUDA.
+
+Each pool here starts fresh interpreters (about 2 s each on an idle core); the tests make the
+workers do every run (`run_here=False`), so that what is compared was really made by them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _pool_jobs import squares, stuck
+from test_simulate import MLP, STRATEGIES, _gpt
+from torch import nn
+
+import autoshard
+import autoshard._world as world_module
+import autoshard.measure.pool as pool_module
+from autoshard.decide.estimate import model_stats
+from autoshard.measure.fake import unavailable
+from autoshard.measure.pool import WORKERS, Pool, payload, worker_count
+from autoshard.measure.simulate import Setup, simulate_all, workers
+
+TESTS = Path(__file__).resolve().parent
+CPU = torch.device("cpu")
+REPO = TESTS.parent
+
+
+def test_workers_make_the_jobs_and_report_what_they_cannot() -> None:
+    """Every job is made by a worker; one that fails there is left out (its caller makes it
+    again and says why); one that kills its worker goes back to the queue (and kills the next
+    worker that takes it), and is made here once no worker is left."""
+    message = payload(squares, os.getpid())
+    assert message is not None
+    here = os.getpid()
+    with Pool(message, 2, run_here=False) as pool:
+        first = pool.run_all([2, 3, 4], lambda job: (job * job, here))
+        failed = pool.run_all([5, "raise"], lambda job: (job * 2, here))
+        died = pool.run_all(["die", 6], lambda job: ("made here" if job == "die" else 36, here))
+    assert {job: value for job, (value, _) in first.items()} == {2: 4, 3: 9, 4: 16}
+    assert all(pid != here for _, pid in first.values())
+    assert set(failed) == {5}
+    assert died["die"] == ("made here", here)
+    assert died[6][0] == 36
+
+
+def test_a_stuck_worker_costs_nothing() -> None:
+    """With nothing left on the queue, this process makes the job a worker is still making
+    instead of waiting for it (here, for ever), and the pool stops the worker."""
+    here = os.getpid()
+    with Pool(payload(stuck, here) or b"", 1) as pool:
+
+        def made_here(job: int) -> int:
+            # made while the worker has taken the other job (and hangs in it)
+            for _ in range(1200):
+                if pool._in_flight:
+                    break
+                time.sleep(0.1)
+            assert pool._in_flight, "the worker never took a job"
+            return job * job
+
+        made = pool.run_all([2, 3], made_here)
+    assert made == {2: 4, 3: 9}
+    assert pool.done_by_workers == 0
+
+
+def test_a_model_defined_in_main_is_simulated_here() -> None:
+    """A worker cannot import what the caller's script defines: no payload, no pool."""
+
+    class Script(nn.Linear):
+        pass
+
+    Script.__module__ = "__main__"
+    assert payload(squares, Script(2, 2)) is None
+    assert payload(squares, nn.Linear(2, 2)) is not None
+
+
+def test_a_worker_never_runs_the_callers_script(tmp_path: Path) -> None:
+    """multiprocessing's spawn would run a script without a `__main__` guard again in each
+    worker (and start its training there); a worker runs only autoshard's entry."""
+    marks = tmp_path / "marks"
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(TESTS)!r})\n"
+        f"open({str(marks)!r}, 'a').write('ran\\n')\n"
+        "from autoshard.measure.pool import Pool, payload\n"
+        "from _pool_jobs import squares\n"
+        "with Pool(payload(squares, os.getpid()), 1, run_here=False) as pool:\n"
+        "    made = pool.run_all([7], lambda job: None)\n"
+        "print(made[7][0], made[7][1] != os.getpid())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["49", "True"]
+    assert marks.read_text() == "ran\n"
+
+
+def test_how_many_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(WORKERS, raising=False)
+    monkeypatch.setattr(pool_module, "spare_processes", lambda: 3)
+    assert worker_count(cpu, 9) == 3
+    assert worker_count(cpu, 3) == 2  # this process makes one
+    assert worker_count(cpu, 1) == 0
+    assert worker_count(cuda, 9) == 0  # each worker would take a CUDA context on the user's GPU
+    monkeypatch.setattr(pool_module, "spare_processes", lambda: 0)
+    assert worker_count(cpu, 9) == 0
+    monkeypatch.setenv(WORKERS, "5")  # whatever the load
+    assert worker_count(cpu, 9) == 5
+    assert worker_count(cpu, 4) == 3
+    assert worker_count(cuda, 9) == 0
+    monkeypatch.setenv(WORKERS, "0")
+    monkeypatch.setattr(pool_module, "spare_processes", lambda: 3)
+    assert worker_count(cpu, 9) == 0
+    monkeypatch.setenv(WORKERS, "many")
+    with pytest.raises(
+        ValueError, match=f"{WORKERS} must be a whole number of workers, got 'many'"
+    ):
+        worker_count(cpu, 9)
+
+
+def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    class Memory:
+        available = 64 << 30
+
+    class Process:
+        def memory_info(self) -> object:
+            return type("Info", (), {"rss": 1 << 30})()
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
+    monkeypatch.setattr(psutil, "Process", Process)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert world_module.spare_processes() == 15  # this process is busy
+    monkeypatch.setattr(os, "getloadavg", lambda: (12.5, 0.0, 0.0))
+    assert world_module.spare_processes() == 3
+    monkeypatch.setattr(os, "getloadavg", lambda: (16.0, 0.0, 0.0))
+    assert world_module.spare_processes() == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks planning: 8 cores idle, 1 each
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
+    assert world_module.spare_processes() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    Memory.available = 6 << 30  # half of it for 1 GiB processes
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))
+    assert world_module.spare_processes() == 3
+
+
+simulation = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+def _deep_mlp() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
+    """Simulated at 3, 4 and 5 blocks and extended. Its batch is this rank's rows of a larger
+    one: a view, whose fake copy holds the larger storage (pickled, it would not be a view)."""
+    torch.manual_seed(0)
+    model = MLP(width=32, depth=16)
+    return (
+        model,
+        torch.optim.Adam(model.parameters()),
+        torch.randn(128, 16)[:64],
+        [f"blocks.{i}" for i in range(16)],
+    )
+
+
+def _convnet() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+    )
+    return model, torch.optim.SGD(model.parameters()), torch.randn(4, 3, 16, 16), ["0", "3"]
+
+
+@simulation
+@pytest.mark.parametrize(
+    "case,dtype,trains_on",
+    [("deep_mlp", None, "cpu"), ("gpt", torch.bfloat16, "cpu"), ("convnet", None, "cuda")],
+    ids=["extended", "whole-bf16", "convolutions-what-if-cuda"],
+)
+def test_runs_made_by_workers_equal_this_process_s(
+    monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype | None, trains_on: str
+) -> None:
+    """Every strategy, unchecked and checkpointed, each step made in a worker: the same
+    simulations, and the same note (kernel workspaces left unmeasured, what-if for CUDA,
+    included) but for its seconds and its count of the workers' steps."""
+    model, optimizer, batch, names = {"deep_mlp": _deep_mlp, "gpt": _gpt, "convnet": _convnet}[
+        case
+    ]()
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    cpu = torch.device("cpu")
+    setup = Setup(names, batch, None, optimizer, dtype, cpu, trains_on=torch.device(trains_on))
+    alone, note = simulate_all(model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES)
+    monkeypatch.setenv(WORKERS, "2")
+    with workers(model, setup, 2, 2 * len(STRATEGIES), run_here=False) as pool:
+        assert pool is not None
+        shared, shared_note = simulate_all(
+            model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES, pool=pool
+        )
+        steps = pool.done_by_workers
+    assert shared == alone
+    depths = 3 if case == "deep_mlp" else 1
+    assert steps == 2 * len(STRATEGIES) * depths
+    assert f", {steps} of the fake steps made by 2 worker process(es)" in shared_note
+    if trains_on == "cuda":
+        assert "not counted (no CUDA device here)" in note
+    seconds = re.compile(r"\d+\.\ds|, \d+ of the fake steps made by 2 worker process\(es\)")
+    assert seconds.sub("", shared_note) == seconds.sub("", note)
+
+
+@simulation
+def test_a_what_if_plan_with_workers_is_the_plan_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`autoshard.plan` with a worker (whoever makes each step first) and without one."""
+    plans = []
+    for count in ("0", "1"):
+        monkeypatch.setenv(WORKERS, count)
+        model, optimizer, batch, _ = _deep_mlp()
+        plans.append(
+            autoshard.plan(
+                model, optimizer, batch, world_size=4, device_memory="1GiB", mixed_precision="no"
+            )
+        )
+    assert plans[0].candidates == plans[1].candidates
+    assert plans[0].chosen == plans[1].chosen
+
+
+class _Scratch(nn.Module):
+    """Allocates a tensor of the default dtype in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * torch.ones(h.shape).to(h.dtype)
+
+
+@simulation
+def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _Scratch()
+    stats = model_stats(model, [], 0, "", 0)
+    setup = Setup([], torch.randn(32, 16), None, torch.optim.SGD(model.parameters()), None, CPU)
+    torch.set_default_dtype(torch.float64)
+    try:
+        alone, _ = simulate_all(model, setup, (STRATEGIES[0],), stats, 1)
+        monkeypatch.setenv(WORKERS, "1")
+        with workers(model, setup, 1, 2, run_here=False) as pool:
+            assert pool is not None
+            shared, _ = simulate_all(model, setup, (STRATEGIES[0],), stats, 1, pool=pool)
+            assert pool.done_by_workers == 1
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert shared == alone
