@@ -432,3 +432,34 @@ def test_the_optimizer_step_s_temporaries_are_what_its_implementation_allocates(
     loop = max(2 * size + previous for previous, size in zip([0, *held], held, strict=False))
     expected = {"loop": loop, "foreach": sum(held), "fused": 0}[implementation]
     assert step.temporaries == expected, (note, step)
+
+
+class _LossModuleInForward(nn.Module):
+    """Builds its loss module inside forward, as transformers' BART and T5 do: the module is gone
+    before backward, where torch's MemTracker warns about its hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss()(self.lin(x), labels)
+
+
+def test_a_module_gone_before_backward_is_not_warned_about() -> None:
+    import warnings
+
+    model = _LossModuleInForward()
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(
+            model,
+            torch.optim.SGD(model.parameters()),
+            batch,
+            world_size=2,
+            device_memory="1GiB",
+            mixed_precision="no",
+        )
+    assert not [str(w.message) for w in caught if "Module is None" in str(w.message)]
+    assert any(r.startswith("estimates from simulated steps") for r in plan.reasons), plan.reasons

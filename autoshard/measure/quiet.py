@@ -16,6 +16,11 @@ from autoshard._torch_compat import FAKE_TENSOR_LOGGER
 # when the plan is DDP, so the warning would come on every rank of a job that never runs FSDP2.
 # Under a real FSDP2 wrap (prepare's) it still shows.
 _FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+# MemTracker warns where a module's backward hook fires after the module is gone: a module made
+# inside a forward and dropped before backward (transformers' BART, T5 and others build a
+# CrossEntropyLoss there), whose parameters and buffers (none) the tracker then cannot file.
+# Printed on every plan of such a model; it says nothing about the user's training.
+_MODULE_GONE_WARNING = r"Module is None\. Skipping (PRE|POST)_BW hook\."
 # FakeTensorMode logs every failed meta kernel with its traceback at ERROR level before raising;
 # autoshard catches the exception and says what it means, once.
 
@@ -27,7 +32,8 @@ class _DropAll(logging.Filter):
 
 @contextlib.contextmanager
 def own_runs_quiet() -> Iterator[None]:
-    """Inside: FSDP2's view warning and fake-tensor error logs are dropped, and the excepthook
+    """Inside: FSDP2's view warning, MemTracker's warning about a module gone before its
+    backward, and fake-tensor error logs are dropped, and the excepthook
     `init_process_group` installs for a fake group (it prefixes every traceback line of the rest
     of the process with `[rank0]:`) is undone afterwards."""
     logger = logging.getLogger(FAKE_TENSOR_LOGGER)
@@ -37,6 +43,7 @@ def own_runs_quiet() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_FSDP_VIEW_WARNING, category=UserWarning)
+            warnings.filterwarnings("ignore", message=_MODULE_GONE_WARNING, category=UserWarning)
             yield
     finally:
         logger.removeFilter(drop)
