@@ -42,6 +42,8 @@ from typing import Any
 
 # before autoshard is imported: a cached simulation would stand in for the whole one
 os.environ["AUTOSHARD_CACHE"] = "0"
+# every run made in this process, where `_run` and the fake operators are counted (measure/pool.py)
+os.environ["AUTOSHARD_SIMULATION_WORKERS"] = "0"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

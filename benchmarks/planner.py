@@ -146,13 +146,14 @@ def _run_cli(args: argparse.Namespace, environment: dict[str, str]) -> tuple[int
 
 
 def _phases(args: argparse.Namespace) -> str:
-    """The same plan in this process (cache off), its fake steps and operators counted and its
-    phases timed, by wrapping autoshard's and torch's functions for the duration."""
+    """The same plan in this process (cache off, no simulation worker), its fake steps and
+    operators counted and its phases timed, by wrapping autoshard's and torch's functions for
+    the duration."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import autoshard
-    from autoshard.measure import facts, simulate, simulated
+    from autoshard.measure import facts, pool, simulate, simulated
 
     os.environ["AUTOSHARD_CACHE"] = "0"
     counts = {"steps": 0, "operators": 0}
@@ -187,6 +188,9 @@ def _phases(args: argparse.Namespace) -> str:
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
         setattr(owner, name, replacement)
+    # every fake step made in this process, where it is counted (no worker: measure/pool.py)
+    workers = os.environ.get(pool.WORKERS)
+    os.environ[pool.WORKERS] = "0"
     try:
         module, _, name = args.factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
@@ -206,6 +210,10 @@ def _phases(args: argparse.Namespace) -> str:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+        if workers is None:
+            del os.environ[pool.WORKERS]
+        else:
+            os.environ[pool.WORKERS] = workers
     rest = total - seconds["trace"] - seconds["simulation"]
     return (
         f"planner, in-process: {counts['steps']} fake steps, {counts['operators']:,} fake "
