@@ -245,6 +245,11 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (None: not a view)."""
+    return tensor._base if tensor._is_view() else None
+
+
 def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
     """The `num_samples` a RandomSampler was built with (None: the whole dataset)."""
     value: int | None = sampler._num_samples

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,17 +239,39 @@ class RankReport:
 
 def spare_processes() -> int:
     """How many processes this rank may start beside itself without slowing anything down: its
-    share of the cores no process is using (the cores it may run on, less the load: at least
-    this node's ranks, busy planning) and of half the memory available, a process taking as much
-    as this one does."""
+    share of the cores no process is using (the cores it may run on, within its cgroup's quota,
+    less the load: at least this node's ranks, busy planning) and of half the memory available,
+    a process taking as much as this one does."""
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    cores = min(cores or 1, _cgroup_cores())
+    ranks = _ranks_on_this_node()
     try:
         load = math.ceil(os.getloadavg()[0])
     except (AttributeError, OSError):  # no load average (Windows): no core is known idle
         return 0
-    idle = max(0, (cores or 1) - max(load, ranks)) // ranks
+    idle = max(0, cores - max(load, ranks)) // ranks
     each = max(1, psutil.Process().memory_info().rss)
     return min(idle, psutil.virtual_memory().available // 2 // each // ranks)
+
+
+def _ranks_on_this_node() -> int:
+    """This node's ranks, as torchrun, Slurm or Open MPI say (1: none says)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def _cgroup_cores() -> int:
+    """The cores this container's CPU quota allows (cgroup v2 `cpu.max`; a large number where
+    none is set): a container sees every core of its host."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return 1 << 20
+    if quota == "max":
+        return 1 << 20
+    return max(1, int(quota) // max(1, int(period)))

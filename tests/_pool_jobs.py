@@ -26,10 +26,10 @@ def squares(caller: int) -> Iterator[Callable[[Any], Any]]:
 
 @contextlib.contextmanager
 def stuck(caller: int) -> Iterator[Callable[[Any], Any]]:
-    """In a worker, every job hangs (an hour); in `caller`, its square."""
+    """Each job's square; in a worker (not in `caller`), job 3 hangs (an hour)."""
 
     def run(job: Any) -> Any:
-        if os.getpid() != caller:
+        if os.getpid() != caller and job == 3:
             time.sleep(3600)
         return job * job
 

@@ -6,10 +6,12 @@ workers do every run (`run_here=False`), so that what is compared was really mad
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,49 +27,89 @@ import autoshard.measure.pool as pool_module
 from autoshard.decide.estimate import model_stats
 from autoshard.measure.fake import unavailable
 from autoshard.measure.pool import WORKERS, Pool, payload, worker_count
-from autoshard.measure.simulate import Setup, simulate_all, workers
+from autoshard.measure.sharing import workers
+from autoshard.measure.simulate import Setup, simulate_all
 
 TESTS = Path(__file__).resolve().parent
 CPU = torch.device("cpu")
 REPO = TESTS.parent
 
 
+def _value(made: tuple[object, int], other: tuple[object, int]) -> bool:
+    return made[0] == other[0]  # the pid that made it aside
+
+
 def test_workers_make_the_jobs_and_report_what_they_cannot() -> None:
-    """Every job is made by a worker; one that fails there is left out (its caller makes it
-    again and says why); one that kills its worker goes back to the queue (and kills the next
-    worker that takes it), and is made here once no worker is left."""
-    message = payload(squares, os.getpid())
-    assert message is not None
+    """The first job is made here, and each worker makes it too before any other (its check);
+    the workers make the rest. One that fails in a worker is reported failed with why; one that
+    kills its worker goes back to the queue (and kills the next worker that takes it), and is
+    made here once no worker is left."""
     here = os.getpid()
-    with Pool(message, 2, run_here=False) as pool:
-        first = pool.run_all([2, 3, 4], lambda job: (job * job, here))
-        failed = pool.run_all([5, "raise"], lambda job: (job * 2, here))
-        died = pool.run_all(["die", 6], lambda job: ("made here" if job == "die" else 36, here))
-    assert {job: value for job, (value, _) in first.items()} == {2: 4, 3: 9, 4: 16}
-    assert all(pid != here for _, pid in first.values())
-    assert set(failed) == {5}
-    assert died["die"] == ("made here", here)
-    assert died[6][0] == 36
+    with Pool(payload(squares, here) or b"", 2, run_here=False) as pool:
+        first = pool.run_all([2, 3, 4], lambda job: (job * job, here), same=_value)
+        failed = pool.run_all([5, "raise"], lambda job: (job * 2, here), same=_value)
+        died = pool.run_all(
+            ["die", 6], lambda job: ("made here" if job == "die" else 36, here), same=_value
+        )
+    assert {job: value for job, (value, _) in first.made.items()} == {2: 4, 3: 9, 4: 16}
+    assert first.made[2][1] == here and first.by_workers == 2
+    assert all(first.made[job][1] != here for job in (3, 4))
+    assert set(failed.made) == {5} and failed.by_workers == 1
+    assert failed.failed == {"raise": "ValueError: this job fails in a worker"}
+    assert died.made["die"] == ("made here", here)
+    assert died.made[6][0] == 36
+    assert pool.distrusted is None
+
+
+def test_a_worker_whose_first_job_differs_is_not_trusted() -> None:
+    """Something this process changed that a fresh interpreter does not see: the first job,
+    made in both, differs, and this process makes every job."""
+    here = os.getpid()
+    with Pool(payload(squares, here) or b"", 2, run_here=False) as pool:
+        made = pool.run_all([2, 3, 4], lambda job: (job * job + 1, here), same=_value)
+    assert made.made == {2: (5, here), 3: (10, here), 4: (17, here)}
+    assert made.by_workers == 0
+    assert pool.distrusted == "a worker's first step differed from this process's"
+
+
+def test_a_failure_leaves_its_family_out() -> None:
+    """Once a job fails, the queued jobs of its family are left out (the caller needs none)."""
+
+    def here(job: tuple[str, int]) -> int:
+        if job == ("x", 2):
+            raise RuntimeError("no")
+        return job[1]
+
+    with Pool(b"", 0) as pool:
+        made = pool.run_all(
+            [("x", 1), ("x", 2), ("y", 1), ("x", 3)], here, same=_value, family=lambda j: j[0]
+        )
+    assert made.made == {("x", 1): 1, ("y", 1): 1}
+    assert list(made.failed) == [("x", 2)] and isinstance(made.failed["x", 2], RuntimeError)
 
 
 def test_a_stuck_worker_costs_nothing() -> None:
     """With nothing left on the queue, this process makes the job a worker is still making
     instead of waiting for it (here, for ever), and the pool stops the worker."""
     here = os.getpid()
-    with Pool(payload(stuck, here) or b"", 1) as pool:
+    with Pool(payload(stuck, here) or b"", 1, run_here=False) as pool:
+        checked = pool.run_all([2], lambda job: job * job, same=operator.eq)
 
-        def made_here(job: int) -> int:
-            # made while the worker has taken the other job (and hangs in it)
+        def once_the_worker_is_stuck() -> None:
             for _ in range(1200):
                 if pool._in_flight:
                     break
                 time.sleep(0.1)
-            assert pool._in_flight, "the worker never took a job"
-            return job * job
+            with pool._changed:  # from now on, this process may make jobs as a user's does
+                pool._run_here = True
+                pool._changed.notify_all()
 
-        made = pool.run_all([2, 3], made_here)
-    assert made == {2: 4, 3: 9}
-    assert pool.done_by_workers == 0
+        watcher = threading.Thread(target=once_the_worker_is_stuck)
+        watcher.start()
+        made = pool.run_all([3], lambda job: job * job, same=operator.eq)
+        watcher.join()
+    assert checked.made == {2: 4}
+    assert made.made == {3: 9} and made.by_workers == 0
 
 
 def test_a_model_defined_in_main_is_simulated_here() -> None:
@@ -92,8 +134,9 @@ def test_a_worker_never_runs_the_callers_script(tmp_path: Path) -> None:
         f"open({str(marks)!r}, 'a').write('ran\\n')\n"
         "from autoshard.measure.pool import Pool, payload\n"
         "from _pool_jobs import squares\n"
+        "same = lambda a, b: a[0] == b[0]\n"
         "with Pool(payload(squares, os.getpid()), 1, run_here=False) as pool:\n"
-        "    made = pool.run_all([7], lambda job: None)\n"
+        "    made = pool.run_all([6, 7], lambda job: (job * job, os.getpid()), same).made\n"
         "print(made[7][0], made[7][1] != os.getpid())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -142,7 +185,9 @@ def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.Monke
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
     monkeypatch.setattr(psutil, "Process", Process)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 1 << 20)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     assert world_module.spare_processes() == 15  # this process is busy
     monkeypatch.setattr(os, "getloadavg", lambda: (12.5, 0.0, 0.0))
@@ -152,7 +197,15 @@ def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.Monke
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks planning: 8 cores idle, 1 each
     monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 0.0, 0.0))
     assert world_module.spare_processes() == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")  # srun's ranks: 12 idle cores, 3 each
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 0.0, 0.0))
+    assert world_module.spare_processes() == 3
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 4)  # a container's CPU quota
+    assert world_module.spare_processes() == 0
+    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 8)
+    assert world_module.spare_processes() == 4
     Memory.available = 6 << 30  # half of it for 1 GiB processes
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))
     assert world_module.spare_processes() == 3
@@ -207,20 +260,84 @@ def test_runs_made_by_workers_equal_this_process_s(
     setup = Setup(names, batch, None, optimizer, dtype, cpu, trains_on=torch.device(trains_on))
     alone, note = simulate_all(model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES)
     monkeypatch.setenv(WORKERS, "2")
-    with workers(model, setup, 2, 2 * len(STRATEGIES), run_here=False) as pool:
-        assert pool is not None
+    with workers(model, setup, 2, 2 * len(STRATEGIES), run_here=False) as helpers:
+        assert helpers is not None
         shared, shared_note = simulate_all(
-            model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES, pool=pool
+            model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES, workers=helpers
         )
-        steps = pool.done_by_workers
     assert shared == alone
-    depths = 3 if case == "deep_mlp" else 1
-    assert steps == 2 * len(STRATEGIES) * depths
+    # every step but the first, which this process makes and each worker checks itself against
+    steps = 2 * len(STRATEGIES) * (3 if case == "deep_mlp" else 1) - 1
     assert f", {steps} of the fake steps made by 2 worker process(es)" in shared_note
     if trains_on == "cuda":
         assert "not counted (no CUDA device here)" in note
     seconds = re.compile(r"\d+\.\ds|, \d+ of the fake steps made by 2 worker process\(es\)")
     assert seconds.sub("", shared_note) == seconds.sub("", note)
+
+
+def _shared_out(
+    model: nn.Module, names: list[str], batch: object, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict, str, dict, str]:
+    """DDP's unchecked and checkpointed runs, in this process alone and with a worker making
+    all it can: each's simulations and note."""
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, torch.optim.SGD(model.parameters()), None, CPU)
+    ddp = (STRATEGIES[0],)
+    alone, note = simulate_all(model, setup, ddp, stats, 1, checkpointed=ddp)
+    monkeypatch.setenv(WORKERS, "1")
+    with workers(model, setup, 1, 2, run_here=False) as helpers:
+        assert helpers is not None
+        shared, shared_note = simulate_all(
+            model, setup, ddp, stats, 1, checkpointed=ddp, workers=helpers
+        )
+    return alone, note, shared, shared_note
+
+
+class _Scratch(nn.Module):
+    """Allocates a tensor of the default dtype in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 64), nn.Linear(64, 64)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[1](self.blocks[0](x))
+        return h * torch.ones(h.shape).to(h.dtype)
+
+
+@simulation
+def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings a worker is sent: trusted (its first step the same), it makes the rest."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        alone, _, shared, note = _shared_out(
+            _Scratch().float(), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
+        )
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert shared == alone
+    assert ", 1 of the fake steps made by 1 worker process(es)" in note, note
+
+
+@simulation
+def test_what_a_worker_cannot_see_leaves_every_step_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward patched at run time (as kernel libraries patch transformers' models) is not
+    the forward a fresh interpreter imports: the worker's first step differs, every step is made
+    here, and the note says why."""
+
+    def wider(self: _Scratch, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[1](self.blocks[0](x))
+        return torch.cat([h, h * 2, h * 3]).sum(0)
+
+    monkeypatch.setattr(_Scratch, "forward", wider)
+    alone, note, shared, shared_note = _shared_out(
+        _Scratch(), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
+    )
+    assert shared == alone
+    assert (
+        "made in this process alone: a worker's first step differed from this process's"
+        in shared_note
+    ), shared_note
 
 
 @simulation
@@ -237,33 +354,3 @@ def test_a_what_if_plan_with_workers_is_the_plan_without(monkeypatch: pytest.Mon
         )
     assert plans[0].candidates == plans[1].candidates
     assert plans[0].chosen == plans[1].chosen
-
-
-class _Scratch(nn.Module):
-    """Allocates a tensor of the default dtype in its forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return h * torch.ones(h.shape).to(h.dtype)
-
-
-@simulation
-def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _Scratch()
-    stats = model_stats(model, [], 0, "", 0)
-    setup = Setup([], torch.randn(32, 16), None, torch.optim.SGD(model.parameters()), None, CPU)
-    torch.set_default_dtype(torch.float64)
-    try:
-        alone, _ = simulate_all(model, setup, (STRATEGIES[0],), stats, 1)
-        monkeypatch.setenv(WORKERS, "1")
-        with workers(model, setup, 1, 2, run_here=False) as pool:
-            assert pool is not None
-            shared, _ = simulate_all(model, setup, (STRATEGIES[0],), stats, 1, pool=pool)
-            assert pool.done_by_workers == 1
-    finally:
-        torch.set_default_dtype(torch.float32)
-    assert shared == alone

@@ -1,26 +1,24 @@
-"""Simulated runs shared out to worker processes where this machine's cores are idle (issue 24).
+"""Jobs shared out to worker processes where this machine's cores are idle (issue 24): the pool
+under `measure.sharing`, which gives it simulated runs.
 
-A run (`measure.simulate._run`: one strategy, checkpointed or not, at one depth) is a fake training
-step that depends on its inputs alone, so it gives the same bytes wherever it runs. `Pool.run_all`
-puts a round's runs on one queue, which this process and the pool's workers all take from: each run
-is done by whoever is free first. A worker that has not started when the round is over (a fresh
-interpreter imports torch first: about 2 s) has cost only an idle core, and is stopped unused at the
-end: nothing ever waits for a worker to start.
+`Pool.run_all` puts a round's jobs on one queue, which this process and the pool's workers all
+take from: each job is made by whoever is free first, and with nothing left on the queue this
+process makes a job a worker is still making rather than wait for it. A round therefore never
+takes longer than this process alone would take (a worker slow to start, about 2 s to import
+torch, or stuck, costs an idle core and nothing else), and workers are stopped at the end.
 
-Workers are fresh interpreters (`python -m autoshard.measure.worker`), not forks: the caller may
-hold threads, locks and CUDA state a fork does not carry safely. Nor are they multiprocessing's
-spawned children, which run the caller's script again to find what it defines (a training script
-without a `__main__` guard would start training in every worker). They receive, once, the model's
-module tree on the meta device, its optimizer rebuilt over it, the example batch and the loss
-function (`torch.save`); a model, optimizer or loss function defined in `__main__` cannot be
-imported there, and the pool is not used. Whatever a worker cannot do (start, unpickle, reply) is
-left undone and the caller runs it here: a result never depends on where it was run, and
-`tests/test_pool.py` checks that a pool's results equal this process's.
+A job must give the same result wherever it is made. A worker is a fresh interpreter, which sees
+what it is sent and nothing else this process changed (a patched function, a switch of torch's, a
+warning filter): so each worker first makes the job this process made first, and takes the
+round's jobs only where its result is the same (`same`). Where it differs, every worker is
+stopped and this process makes everything (`distrusted` says why).
 
-Only simulations on fake CPU tensors are shared out. On CUDA a fake tensor's backward needs a real
-CUDA context (torch's `init_gpu_context`; without one: "hasPrimaryContext expects a valid device
-index"), so each worker would create one on the user's GPU, a few hundred MiB, while `prepare` is
-measuring that GPU.
+Workers are started as `python -m autoshard.measure.worker`, not forked (the caller may hold
+threads, locks and CUDA state a fork does not carry safely), nor as multiprocessing's spawned
+children, which run the caller's script again to find what it defines (a training script without
+a `__main__` guard would start training in every worker). They receive one payload (`payload`),
+which refuses what a worker cannot import (anything defined in `__main__`) and tensors off the
+CPU (a worker loading one would create a CUDA context on the user's GPU).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import threading
 import types
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar
 
 import torch
 
@@ -46,8 +44,8 @@ from autoshard._world import spare_processes
 
 logger = logging.getLogger("autoshard")
 
-# How many workers at most, whatever the load (0: none); unset: as many as this rank's idle cores
-# and memory allow (`_world.spare_processes`).
+# How many workers, whatever the load (0: none; at most one fewer than the jobs); unset: as many
+# as this rank's idle cores and memory allow (`_world.spare_processes`).
 WORKERS = "AUTOSHARD_SIMULATION_WORKERS"
 # A worker's own entry point: `python -m` runs it as a script, never the caller's
 _ENTRY = "autoshard.measure.worker"
@@ -56,66 +54,81 @@ Job = TypeVar("Job", bound=Hashable)
 Result = TypeVar("Result")
 
 
-def worker_count(device: torch.device, runs: int) -> int:
-    """How many workers to start for a planning whose first round has `runs` runs simulated on
-    `device` (0: none). This process takes runs too: one run needs none."""
-    if device.type != "cpu" or runs < 2:
-        return 0
+def worker_count(device: torch.device, jobs: int) -> int:
+    """How many workers to start for a first round of `jobs` jobs on `device` (0: none). This
+    process makes jobs too: one job needs none. None on CUDA: a fake tensor's backward needs a
+    real CUDA context (torch's `init_gpu_context`), which each worker would create on the user's
+    GPU, a few hundred MiB, while `prepare` is measuring it."""
     chosen = os.environ.get(WORKERS, "").strip()
-    if chosen:
-        try:
-            limit = int(chosen)
-        except ValueError:
-            raise ValueError(
-                f"{WORKERS} must be a whole number of workers, got {chosen!r}"
-            ) from None
-        return max(0, min(limit, runs - 1))
-    return max(0, min(spare_processes(), runs - 1))
+    try:
+        limit = int(chosen) if chosen else None
+    except ValueError:
+        raise ValueError(f"{WORKERS} must be a whole number of workers, got {chosen!r}") from None
+    if device.type != "cpu" or jobs < 2:
+        return 0
+    return max(0, min(spare_processes() if limit is None else limit, jobs - 1))
 
 
 def payload(entry: Callable[..., Any], state: Any) -> bytes | None:
     """`state` pickled for a worker, which opens `entry(state)` (a context manager giving the
-    function that runs one job); None where it cannot be (what the pickle needs is defined in
-    `__main__`, which a worker cannot import, or is not picklable at all)."""
+    function that makes one job); None where it cannot be: what it needs is defined in
+    `__main__` (a worker cannot import it), holds a tensor off the CPU, or does not pickle."""
     buffer = io.BytesIO()
     try:
-        torch.save((entry, state), buffer, pickle_module=_NO_MAIN)
-    except Exception as error:  # noqa: BLE001 - any object may refuse pickling: run here
-        logger.debug("simulations not shared out: %s", error)
+        torch.save((entry, state), buffer, pickle_module=_PORTABLE)
+    except Exception as error:  # noqa: BLE001 - any object may refuse pickling: made here
+        logger.debug("not shared out with worker processes: %s", error)
         return None
     return buffer.getvalue()
 
 
-class _NoMainPickler(pickle.Pickler):
+class _PortablePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, type | types.FunctionType) and obj.__module__ == "__main__":
             raise pickle.PicklingError(f"{obj.__qualname__} is defined in __main__")
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            raise pickle.PicklingError(f"a tensor on {obj.device}")
         return NotImplemented
 
 
-_NO_MAIN = types.ModuleType("autoshard_no_main_pickle")
-_NO_MAIN.Pickler = _NoMainPickler  # type: ignore[attr-defined]
+_PORTABLE = types.ModuleType("autoshard_portable_pickle")
+_PORTABLE.Pickler = _PortablePickler  # type: ignore[attr-defined]
+
+
+class Round(Generic[Job, Result]):
+    """What `Pool.run_all` gives back: each job's result, by job, and the jobs that failed (the
+    exception where it was raised here, what a worker said where it failed there). A job in
+    neither was left out: another of its `family` failed first."""
+
+    def __init__(self) -> None:
+        self.made: dict[Job, Result] = {}
+        self.failed: dict[Job, BaseException | str] = {}
+        self.by_workers = 0  # of `made`
 
 
 class Pool:
     """`count` workers, each sent `message` (`payload`) at start, that share out the jobs of each
     `run_all` with this process, until `close` (or the end of a `with` block) stops them.
 
-    With `run_here` False, this process runs a job only once no worker is left (the tests make
-    the workers do everything that way)."""
+    With `run_here` False this process makes, besides the job each worker checks itself
+    against, only the jobs no worker is left to make (the tests make the workers do the rest)."""
 
     def __init__(self, message: bytes, count: int, run_here: bool = True) -> None:
         self._changed = threading.Condition()
-        self._queue: deque[Hashable] = deque()
-        self._open: set[Hashable] = set()  # the round's jobs not yet done
-        self._results: dict[Any, Any] = {}
-        self._in_flight: set[Hashable] = set()  # jobs a worker is making now
-        self._made_here: set[Hashable] = set()  # the round's jobs this process took
+        self._queue: deque[Any] = deque()
+        self._round: Round[Any, Any] = Round()
+        self._open: set[Any] = set()  # the round's jobs not yet made nor failed
+        self._in_flight: set[Any] = set()  # jobs a worker is making now
+        self._made_here: set[Any] = set()  # the round's jobs this process took
+        self._family: Callable[[Any], Hashable] = lambda job: job
+        self._same: Callable[[Any, Any], bool] = lambda a, b: bool(a == b)
+        self._reference: Any = None  # the first job made here
+        self._reference_result: tuple[bool, Any] | None = None  # (made, result or why not)
         self._closing = False
         self._run_here = run_here
         self._alive = count
         self.size = count
-        self.done_by_workers = 0
+        self.distrusted: str | None = None  # why the workers were stopped, if they were
         self._workers = [_Worker(message) for _ in range(count)]
         self._threads = [
             threading.Thread(target=self._serve, args=(w,), name="autoshard-pool", daemon=True)
@@ -130,36 +143,54 @@ class Pool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run_all(self, jobs: Iterable[Job], here: Callable[[Job], Result]) -> dict[Job, Result]:
-        """Each job's result, by job, from whoever made it first: a worker, or `here(job)` in
-        this process. With nothing left on the queue this process makes a job a worker is still
-        making rather than wait for it: a round never takes longer than this process alone would
-        (a worker slow or stuck costs nothing). A job that failed (raised here, or in a worker)
-        is left out: the caller runs it again itself, and handles its failure as it would
-        without a pool."""
+    def run_all(
+        self,
+        jobs: Iterable[Job],
+        here: Callable[[Job], Result],
+        same: Callable[[Result, Result], bool],
+        family: Callable[[Job], Hashable] = lambda job: job,
+    ) -> Round[Job, Result]:
+        """The jobs made by whoever takes them first: a worker, or `here(job)` in this process
+        (the first job of the pool's first round always here: workers check themselves against
+        it with `same`). Once a job fails, the other jobs of its `family` still queued are left
+        out: the caller, which makes or explains them itself, needs none of them."""
         with self._changed:
             fresh = [job for job in dict.fromkeys(jobs) if job not in self._open]
+            self._round = Round()
+            self._made_here = set()
+            self._family, self._same = family, same
             self._queue.extend(fresh)
             self._open.update(fresh)
-            self._results = {}
-            self._made_here = set()
+            if self._reference is None and fresh:
+                self._reference = fresh[0]
+                self._queue.remove(fresh[0])
+                self._made_here.add(fresh[0])
+                first: Any = fresh[0]
+            else:
+                first = None
             self._changed.notify_all()
-        job: Any
+        job: Any = first
         while True:
-            with self._changed:
-                while self._open and (job := self._next_here()) is None:
-                    self._changed.wait()
-                if not self._open:
-                    return dict(self._results)
+            if job is None:
+                with self._changed:
+                    while self._open and (job := self._next_here()) is None:
+                        self._changed.wait()
+                    if not self._open:
+                        return self._round
             try:
-                result = here(job)
-            except Exception:  # noqa: BLE001 - left out: the caller runs it again and says why
-                logger.debug("a simulated run failed here", exc_info=True)
-                result = None
-            self._resolve(job, result)
+                result: Any = here(job)
+                outcome: tuple[bool, Any] = (True, result)
+            except Exception as error:  # noqa: BLE001 - handed back: the caller says why
+                logger.debug("a job failed here", exc_info=True)
+                outcome = (False, error)
+            with self._changed:
+                if job == self._reference and self._reference_result is None:
+                    self._reference_result = outcome
+                self._settle(job, outcome, by_worker=False)
+            job = None
 
     def close(self) -> None:
-        """Stops every worker, busy or not (the jobs left are this process's)."""
+        """Stops every worker, busy or not."""
         with self._changed:
             self._closing = True
             self._changed.notify_all()
@@ -169,54 +200,63 @@ class Pool:
             thread.join(timeout=10)
 
     def _next_here(self) -> Any:
-        """The job this process makes next (None: wait), under the lock: the first queued, once
-        no worker is left or with `run_here`; with nothing queued, one a worker is making."""
+        """The job this process makes next (None: wait), under the lock: the first queued, with
+        `run_here` or once no worker is left; with nothing queued, one a worker is making."""
         if self._queue and (self._run_here or not self._alive):
             job = self._queue.popleft()
             self._made_here.add(job)
             return job
-        if self._run_here:
+        if self._run_here or not self._alive:
             for job in self._in_flight:
                 if job in self._open and job not in self._made_here:
                     self._made_here.add(job)
                     return job
         return None
 
-    def _resolve(self, job: Hashable, result: Any, by_worker: bool = False) -> None:
-        """The first answer for `job` stands (one made twice, here and by a worker, gives the
-        same: the later is dropped)."""
-        with self._changed:
-            if job in self._open:
-                self._open.discard(job)
-                if result is not None:
-                    self._results[job] = result
-                    self.done_by_workers += by_worker
-            self._changed.notify_all()
+    def _settle(self, job: Any, outcome: tuple[bool, Any], by_worker: bool) -> None:
+        """Under the lock: the first outcome for `job` stands (one made twice, here and by a
+        worker, is the same: the later is dropped). A failure leaves out the queued jobs of its
+        family."""
+        if job not in self._open:
+            return
+        self._open.discard(job)
+        made, value = outcome
+        if made:
+            self._round.made[job] = value
+            self._round.by_workers += by_worker
+        else:
+            self._round.failed[job] = value
+            family = self._family(job)
+            for other in [j for j in self._queue if self._family(j) == family]:
+                self._queue.remove(other)
+                self._open.discard(other)
+        self._changed.notify_all()
 
     def _serve(self, worker: _Worker) -> None:
-        """One worker's thread: start it, then hand it jobs until the pool closes. A job the
-        worker could not answer goes back on the queue, and the worker is stopped."""
+        """One worker's thread: start it, check it against the first job made here, then hand
+        it jobs until the pool closes. A job a worker could not answer goes back on the queue,
+        and the worker is stopped; one whose result differs stops them all."""
         job = None
         try:
             worker.start()
+            if not self._checked(worker):
+                return
             while True:
                 with self._changed:
-                    while not self._queue and not self._closing:
+                    while not self._queue and not self._closing and self.distrusted is None:
                         self._changed.wait()
-                    if self._closing:
+                    if self._closing or self.distrusted is not None:
                         return
                     job = self._queue.popleft()
                     self._in_flight.add(job)
-                outcome, value = worker.ask(job)
+                made, value = worker.ask(job)
                 with self._changed:
                     self._in_flight.discard(job)
-                self._resolve(job, value if outcome == "ok" else None, by_worker=True)
-                if outcome != "ok":
-                    logger.debug("a simulated run failed in a worker: %s", value)
+                    self._settle(job, (made, value), by_worker=True)
                 job = None
         except Exception:  # noqa: BLE001 - a worker that fails leaves its jobs to the rest
             if not self._closing:
-                logger.debug("a simulation worker stopped: %s", worker.said(), exc_info=True)
+                logger.debug("a worker process stopped: %s", worker.said(), exc_info=True)
         finally:
             worker.stop()
             with self._changed:
@@ -226,6 +266,36 @@ class Pool:
                     if job in self._open and job not in self._made_here:
                         self._queue.appendleft(job)
                 self._changed.notify_all()
+
+    def _checked(self, worker: _Worker) -> bool:
+        """Whether `worker` makes the first job made here as this process made it. Where it does
+        not, the pool distrusts every worker (all are as fresh): they stop."""
+        with self._changed:
+            while self._reference is None and not self._closing and self.distrusted is None:
+                self._changed.wait()
+            if self._closing or self.distrusted is not None:
+                return False
+            reference = self._reference
+        theirs = worker.ask(reference)
+        with self._changed:
+            while self._reference_result is None and not self._closing:
+                self._changed.wait()
+            if self._closing or self.distrusted is not None:
+                return False
+            ours = self._reference_result
+            assert ours is not None
+            if ours[0] and theirs[0] and self._same(ours[1], theirs[1]):
+                return True
+            why = (
+                "its first step failed here"
+                if not ours[0]
+                else f"it failed in a worker ({theirs[1]})"
+                if not theirs[0]
+                else "a worker's first step differed from this process's"
+            )
+            self.distrusted = self.distrusted or why
+            self._changed.notify_all()
+            return False
 
 
 class _Worker:
@@ -256,17 +326,20 @@ class _Worker:
         if receive(self._pipes()[1]) != b"ready":
             raise RuntimeError("the worker did not start")
 
-    def ask(self, job: Hashable) -> tuple[str, Any]:
-        """("ok", result) or ("failed", why) for one job."""
+    def ask(self, job: Hashable) -> tuple[bool, Any]:
+        """(True, result) or (False, why it failed) for one job; raises where the worker ended."""
         stdin, stdout = self._pipes()
         send(stdin, pickle.dumps(job))
         reply = receive(stdout)
         if reply is None:
             raise RuntimeError("the worker ended")
-        outcome: tuple[str, Any] = pickle.loads(reply)
-        return outcome
+        kind, value = pickle.loads(reply)
+        return kind == "ok", value
 
     def stop(self) -> None:
+        """Kills the process and closes its pipes. Called by `Pool.close` and by the worker's
+        own thread, maybe at once: the kill comes first, so a thread blocked on a pipe wakes with
+        an error (which its thread ends on) before the pipe is closed under it."""
         with self._lock:
             self._stopped = True
             process = self._process

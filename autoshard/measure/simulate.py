@@ -23,7 +23,7 @@ What is derived instead of simulated again:
   simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
 Where this machine's cores are idle, the runs of each round are shared out with worker processes
-(`workers`, `measure.pool`): each run gets the same bytes wherever it is made.
+(`measure.sharing`): each run gets the same bytes wherever it is made.
 
 DDP is simulated unwrapped with every gradient allocated before the step and zeroed in place:
 with `gradient_as_bucket_view=True` the gradients are views of DDP's buckets, which live from
@@ -32,12 +32,11 @@ construction on. The trackers see tensors only; C++-side buffers (gloo/NCCL) are
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,18 +52,19 @@ from autoshard.measure.fake import (
     fake_mesh,
     fake_optimizer,
     fake_tensor,
-    shallow_copy,
     unavailable,
     wider_fake_kernels,
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
-from autoshard.measure.pool import Pool, payload, worker_count
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import peak_of, total, tracked_step, with_state
-from autoshard.measure.workspace import merge_unmeasured, take_unmeasured, unmeasured_note
+from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from autoshard.measure.sharing import Shared
 
 logger = logging.getLogger("autoshard")
 
@@ -96,7 +96,7 @@ class Setup:
     answers: tuple[tuple[str, bool], ...] = ()
 
 
-_Steps = tuple[dict[str, list[Phase]], Phase]
+Steps = tuple[dict[str, list[Phase]], Phase]
 
 
 def simulate(
@@ -104,16 +104,19 @@ def simulate(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    done: Mapping[int | None, _Steps] | None = None,
+    done: Mapping[int | None, Steps | BaseException] | None = None,
 ) -> Simulated:
     """Two steps of `strategy` on a fake copy of `model`, depth-reduced where the blocks allow.
-    `done` has the runs already made elsewhere (`_shared_out`), by their number of periods (None:
-    the whole model); the others are run here."""
+    `done` has the runs already made (`sharing.Shared.ahead`), by their number of periods (None:
+    the whole model), or the exception one raised; the others are made here."""
     done = done or {}
 
-    def run(repeats: Layout | None, periods: int | None) -> _Steps:
+    def run(repeats: Layout | None, periods: int | None) -> Steps:
         if periods in done:
-            return done[periods]
+            made = done[periods]
+            if isinstance(made, BaseException):
+                raise made
+            return made
         if repeats is None or periods is None:
             return _run(model, setup, strategy, mesh)
         return _run(model, setup, strategy, mesh, repeats, periods)
@@ -133,7 +136,7 @@ def simulate(
 
 
 def _by_periods(
-    run: Callable[[Layout, int], _Steps], strategy: Strategy, repeats: Layout
+    run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout
 ) -> tuple[Phase, Phase] | None:
     """The forward/backward and step peaks from copies of 3, 4, 5 (then 6) periods of every
     list (`run`), extended (`_extended`); None where they are not on one line."""
@@ -150,7 +153,7 @@ def _by_periods(
 
 
 def _extended(
-    p1: _Steps, p2: _Steps, p3: _Steps, depths: tuple[int, int, int], full: int
+    p1: Steps, p2: Steps, p3: Steps, depths: tuple[int, int, int], full: int
 ) -> tuple[Phase, Phase] | None:
     """The forward/backward peak and the step's at `full` periods from runs at three `depths`,
     or None where the third is off the line through the first two.
@@ -277,7 +280,7 @@ def simulate_all(
     shared: bool = False,
     crashes: dict[Run, str] | None = None,
     tally: Tally | None = None,
-    pool: Pool | None = None,
+    workers: Shared | None = None,
 ) -> tuple[dict[Run, Simulated], str]:
     """Simulate each strategy, and each of `checkpointed` with every block checkpointed; returns
     the simulations by run (as rank 0 sees them: its shard is the largest) and a note for the
@@ -293,13 +296,14 @@ def simulate_all(
     to the derivation from the unchecked one), and the note says so; where the run's own
     wrapping is what fails (`crash.crash_of`), it is added to `crashes`. Calls made in waves
     (fastest strategies first, `measure.simulated`) pass one `tally`: the note then says what
-    all of them ran. With a `pool` (`workers`), this rank's runs are shared out with its workers.
+    all of them ran. With `workers` (`sharing.workers`), this rank's runs are shared out with
+    worker processes.
     """
     reason = unavailable()
     if reason is not None:
         return {}, f"estimates are analytic: {reason}"
     in_job = dist.is_initialized()
-    size, rank = _simulated_world(world_size)
+    size, rank = simulated_world(world_size)
     shared = shared and in_job
     runs = (*((s, False) for s in strategies), *((s, True) for s in checkpointed))
     tally = tally if tally is not None else Tally()
@@ -326,7 +330,7 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        ahead = _shared_out(model, setup, mine, mesh, pool)
+        ahead, by_workers = workers.ahead(model, setup, mine, mesh) if workers else ({}, 0)
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""
@@ -363,12 +367,12 @@ def simulate_all(
     results.update({run: simulated for run, (simulated, _) in kept.items()})
     missing = missing or next((m for _, m in kept.values() if m), None)
     tally.add(runs, failures, len(kept), missing)
-    if pool is not None:
-        tally.workers = (pool.size, pool.done_by_workers)
+    if workers is not None:
+        tally.shared_out(workers.pool.size, by_workers, workers.pool.distrusted)
     return dict(sorted(results.items())), tally.note(size, shared)
 
 
-def _simulated_world(world_size: int) -> tuple[int, int]:
+def simulated_world(world_size: int) -> tuple[int, int]:
     """The fake process group's size and this process's rank in it: the job's inside one, else
     at most MAX_SIMULATED_DEGREE ranks (the estimate rescales) with this process rank 0."""
     if dist.is_initialized():
@@ -378,122 +382,14 @@ def _simulated_world(world_size: int) -> tuple[int, int]:
 
 # One run at one depth: its strategy, whether every block is checkpointed, its number of periods
 # (None: the whole model)
-_Job = tuple[Strategy, bool, int | None]
+Job = tuple[Strategy, bool, int | None]
 
 
-@contextlib.contextmanager
-def workers(
-    model: nn.Module, setup: Setup, world_size: int, runs: int, run_here: bool = True
-) -> Iterator[Pool | None]:
-    """Worker processes for `simulate_all`'s runs on this rank (`measure.pool`), where the first
-    round's `runs` (on this rank) leave some to share out and this machine's cores are idle;
-    None where not, or where the model, optimizer, batch or loss cannot be sent to them. (With
-    `run_here` False this process leaves every run to them: `Pool`.)"""
-    depths = len(SHALLOW) if layout(model, setup.block_names) is not None else 1
-    count = worker_count(setup.device, runs * depths)
-    if count == 0 or unavailable() is not None:
-        yield None
-        return
-    size, rank = _simulated_world(world_size)
-    message = payload(serving, (*_portable(model, setup), _settings(), size, rank))
-    if message is None:
-        yield None
-        return
-    with Pool(message, count, run_here) as pool:
-        yield pool
-
-
-def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:
-    """The model's module tree on the meta device (no tensor memory, ties kept) and the setup with
-    its optimizer rebuilt over it: what a worker simulates exactly as this process would."""
-    meta: dict[int, Any] = {
-        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for p in model.parameters()
-    }
-    meta.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
-    copy, _ = shallow_copy(model, setup.block_names, setup.block_names, meta)
-    optimizer = fake_optimizer(setup.optimizer, model, copy)
-    return copy, replace(setup, optimizer=optimizer, batch=tree_map(_View.of, setup.batch))
-
-
-@dataclass(frozen=True)
-class _View:
-    """A view of a batch tensor, as its base and its place in it. Pickling keeps a view's offset
-    into its storage but not that it is a view, and a fake copy of a view holds its base's whole
-    storage where a copy of a plain tensor holds only what it spans: a batch sliced out of a
-    larger one (each rank's rows of a global batch) was counted half as large in a worker."""
-
-    base: torch.Tensor
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    @staticmethod
-    def of(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or not x._is_view() or x._base is None:
-            return x
-        return _View(x._base, tuple(x.size()), x.stride(), int(x.storage_offset()))
-
-    @staticmethod
-    def made(x: Any) -> Any:
-        if not isinstance(x, _View):
-            return x
-        return x.base.as_strided(x.size, x.stride, x.offset)
-
-
-def _settings() -> tuple[torch.dtype, bool, str]:
-    """This process's settings that change what a fake step allocates (a script that made
-    float64 the default dtype creates float64 tensors in its forward), for a worker to take."""
-    return (
-        torch.get_default_dtype(),
-        torch.are_deterministic_algorithms_enabled(),
-        torch.get_float32_matmul_precision(),
-    )
-
-
-@contextlib.contextmanager
-def serving(
-    state: tuple[nn.Module, Setup, tuple[torch.dtype, bool, str], int, int],
-) -> Iterator[Callable[[_Job], Any]]:
-    """A worker's side (`measure.worker`): the caller's settings, the fake process group
-    `simulate_all` would use, and the function running one job there, returning its steps and
-    the kernel workspaces it met that could not be measured."""
-    model, setup, (dtype, deterministic, precision), size, rank = state
-    torch.set_default_dtype(dtype)
-    torch.use_deterministic_algorithms(deterministic)
-    torch.set_float32_matmul_precision(precision)
-    setup = replace(setup, batch=tree_map(_View.made, setup.batch))
-    repeats = layout(model, setup.block_names)
-    with own_runs_quiet(), fake_mesh(size, rank, setup.device.type) as mesh:
-        yield lambda job: (_job(model, setup, mesh, repeats, job), take_unmeasured())
-
-
-def _shared_out(
-    model: nn.Module, setup: Setup, runs: list[Run], mesh: Any, pool: Pool | None
-) -> dict[Run, dict[int | None, _Steps]]:
-    """The steps `simulate` starts each run from (its first depths, or the whole model), made by
-    this process and `pool`'s workers together; nothing without a pool. A step that failed is
-    left out: `simulate` runs it again, and handles its failure as it always does."""
-    if pool is None or not runs:
-        return {}
-    repeats = layout(model, setup.block_names)
-    depths = SHALLOW if repeats is not None else (None,)
-    jobs: list[_Job] = [(strategy, all_blocks, k) for strategy, all_blocks in runs for k in depths]
-    report = logger.debug if dist.is_initialized() else logger.info  # the planner CLI shows INFO
-    report(f"sharing {len(jobs)} fake step(s) out with {pool.size} worker process(es)")
-
-    def here(job: _Job) -> tuple[_Steps, dict[Any, str]]:
-        return _job(model, setup, mesh, repeats, job), {}  # this process's notes are its own
-
-    made = pool.run_all(jobs, here)
-    found: dict[Run, dict[int | None, _Steps]] = {}
-    for (strategy, all_blocks, k), (steps, unmeasured) in made.items():
-        merge_unmeasured(unmeasured)
-        found.setdefault((strategy, all_blocks), {})[k] = steps
-    return found
-
-
-def _job(model: nn.Module, setup: Setup, mesh: Any, repeats: Layout | None, job: _Job) -> _Steps:
+def run_at_depth(
+    model: nn.Module, setup: Setup, mesh: Any, repeats: Layout | None, job: Job
+) -> Steps:
+    """One run at one depth (`Job`), as `simulate` makes it: of a copy with that many periods of
+    every list (`repeats`), or of the whole model."""
     strategy, all_blocks, periods = job
     run_setup = replace(setup, checkpoint_all=all_blocks)
     if periods is None:
@@ -536,14 +432,17 @@ def _digests(
 @dataclass
 class Tally:
     """What one round of simulations ran, over its waves: the runs, those that failed (and why),
-    how many were read from the cache, what the workspace left out, and since when."""
+    how many were read from the cache, what the workspace left out, since when, and what worker
+    processes made (`measure.sharing`)."""
 
     runs: list[Run] = field(default_factory=list)
     failures: dict[Run, str] = field(default_factory=dict)
     kept: int = 0
     missing: str | None = None
     started: float = field(default_factory=time.perf_counter)
-    workers: tuple[int, int] = (0, 0)  # worker processes (`workers`), fake steps they made
+    workers: int = 0  # worker processes started
+    by_workers: int = 0  # fake steps they made
+    distrusted: str | None = None  # why they were stopped, if they were
 
     def add(
         self, runs: tuple[Run, ...], failures: dict[Run, str], kept: int, missing: str | None
@@ -553,13 +452,24 @@ class Tally:
         self.kept += kept
         self.missing = self.missing or missing
 
+    def shared_out(self, workers: int, by_workers: int, distrusted: str | None) -> None:
+        self.workers = workers
+        self.by_workers += by_workers
+        self.distrusted = self.distrusted or distrusted
+
     def note(self, size: int, shared: bool) -> str:
         """The plan's reason for the round."""
         seconds = time.perf_counter() - self.started
         shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
-        if self.workers[0]:
-            count, made = self.workers
-            shared_out += f", {made} of the fake steps made by {count} worker process(es)"
+        if self.distrusted:
+            shared_out += (
+                f", made in this process alone: {self.distrusted} (a fresh interpreter does not "
+                f"see what this process changed, e.g. a function patched at run time)"
+            )
+        elif self.workers:
+            shared_out += (
+                f", {self.by_workers} of the fake steps made by {self.workers} worker process(es)"
+            )
         if self.kept:
             shared_out += f", {self.kept} read from autoshard's cache: {cache.directory()}"
         checkpointed = ", ".join(str(s) for s, ck in self.runs if ck)

@@ -13,7 +13,8 @@ from autoshard.decide.job import Work
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.validate import Request
 from autoshard.measure.facts import forced_checkpointing
-from autoshard.measure.simulate import Setup, Tally, combine, simulate_all, workers
+from autoshard.measure.sharing import workers
+from autoshard.measure.simulate import Setup, Tally, combine, simulate_all
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -80,9 +81,9 @@ def with_simulation(
     # candidate's own figure is asked for (the largest batch of each, and its probes).
     order = sorted(simulating, key=lambda s: _seconds(inputs, strategies, s, forced_ac or 0))
     wave = len(order) if every or request.strategy is not None else ranks
-    # this rank's share of the first wave's runs, which may go to idle cores (`measure.pool`)
+    # this rank's share of the first wave's runs, which may go to idle cores (`measure.sharing`)
     share = -(-(len(order[:wave]) + len(first)) // ranks)
-    with workers(model, setup, inputs.world_size, share) as pool:
+    with workers(model, setup, inputs.world_size, share) as helpers:
         pending = order
         skipped: list[Strategy] = []
         tally = Tally()  # the waves' one note
@@ -98,7 +99,7 @@ def with_simulation(
                 shared=shared,
                 crashes=crashes,
                 tally=tally,
-                pool=pool,
+                workers=helpers,
             )
             runs.update(more)
             inputs = replace(inputs, simulated=combine(runs), crashed=crashes)
@@ -123,7 +124,7 @@ def with_simulation(
                     checkpointed=again,
                     shared=shared,
                     crashes=crashes,
-                    pool=pool,
+                    workers=helpers,
                 )
                 runs.update(more)
                 notes.append(more_note)

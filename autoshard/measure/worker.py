@@ -17,6 +17,7 @@ import sys
 def main() -> None:
     from autoshard.measure.pool import receive, send
 
+    _die_with_the_caller()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     jobs = sys.stdin.buffer
@@ -34,6 +35,20 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - the caller runs it again and says why
                 reply = pickle.dumps(("failed", f"{type(error).__name__}: {error}"[:300]))
             send(replies, reply)
+
+
+def _die_with_the_caller() -> None:
+    """On Linux, the kernel kills this process when the thread that started it ends (its caller
+    killed without running its clean-up: a worker must not outlive it busy)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

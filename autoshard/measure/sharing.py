@@ -1,0 +1,198 @@
+"""Simulated runs shared out to worker processes where this machine's cores are idle (issue 24):
+what a worker is sent, how it makes a run, and the round it makes with this process
+(`measure.pool` runs them).
+
+A run at a depth (`simulate.run_at_depth`) is a fake training step that depends on what it is
+given. A worker is sent the model's module tree on the meta device (no tensor memory, ties kept),
+its optimizer rebuilt over it, the example batch, the loss function, and the settings of this
+process that change what a step allocates (default dtype, deterministic algorithms, float32
+matmul precision, attention kernels allowed). Anything else this process changed and a fresh
+interpreter does not see (a function patched at run time, a warning filter, autocast) is caught
+by the pool's check: each worker first makes the run this process made first, and is trusted
+with the others only where the bytes are the same.
+
+Only simulations on fake CPU tensors are shared out (`pool.worker_count`), and none while a
+profiler runs here (kernel workspace is then left unmeasured here, and a worker would measure
+it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoshard._torch_compat import profiler_enabled, tree_map, view_base
+from autoshard.measure.fake import fake_mesh, fake_optimizer, shallow_copy, unavailable
+from autoshard.measure.layout import SHALLOW, Layout, layout
+from autoshard.measure.pool import Pool, payload, worker_count
+from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.simulate import (
+    Job,
+    Run,
+    Setup,
+    Steps,
+    run_at_depth,
+    simulated_world,
+)
+from autoshard.measure.workspace import merge_unmeasured, take_unmeasured
+
+logger = logging.getLogger("autoshard")
+
+
+class Shared:
+    """A rank's workers for one planning (`workers`), which `simulate_all` shares its runs with."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def ahead(
+        self, model: nn.Module, setup: Setup, runs: list[Run], mesh: Any
+    ) -> tuple[dict[Run, dict[int | None, Steps | BaseException]], int]:
+        """The steps `simulate` starts each run from (its first depths, or the whole model),
+        made by this process and the workers together, by run and depth, with the number the
+        workers made. A step that failed here is its exception (`simulate` raises it); one that
+        failed in a worker, or was left out once another depth of its run failed, is missing:
+        `simulate` makes it again where it needs it, and handles a failure as it always does."""
+        repeats = layout(model, setup.block_names)
+        depths = SHALLOW if repeats is not None else (None,)
+        jobs: list[Job] = [(strategy, ck, k) for strategy, ck in runs for k in depths]
+        report = logger.debug if dist.is_initialized() else logger.info  # the CLI shows INFO
+        report(f"sharing {len(jobs)} fake step(s) out with {self.pool.size} worker process(es)")
+
+        def here(job: Job) -> tuple[Steps, dict[Any, str]]:
+            return run_at_depth(model, setup, mesh, repeats, job), {}  # notes: this process's
+
+        made = self.pool.run_all(jobs, here, same=_same_steps, family=lambda job: job[:2])
+        found: dict[Run, dict[int | None, Steps | BaseException]] = {}
+        for (strategy, ck, k), (steps, unmeasured) in made.made.items():
+            merge_unmeasured(unmeasured)
+            found.setdefault((strategy, ck), {})[k] = steps
+        for (strategy, ck, k), error in made.failed.items():
+            if isinstance(error, BaseException):
+                found.setdefault((strategy, ck), {})[k] = error
+        return found, made.by_workers
+
+
+def _same_steps(ours: tuple[Steps, Any], theirs: tuple[Steps, Any]) -> bool:
+    return ours[0] == theirs[0]
+
+
+@contextlib.contextmanager
+def workers(
+    model: nn.Module, setup: Setup, world_size: int, runs: int, run_here: bool = True
+) -> Iterator[Shared | None]:
+    """Worker processes for `simulate_all`'s runs on this rank, where the first round's `runs`
+    (on this rank) leave some to share out and this machine's cores are idle; None where not,
+    or where what a run needs cannot be sent to them. (With `run_here` False this process
+    leaves every run it can to them: `Pool`.)"""
+    depths = len(SHALLOW) if layout(model, setup.block_names) is not None else 1
+    count = worker_count(setup.device, runs * depths)
+    if count == 0 or unavailable() is not None or profiler_enabled():
+        yield None
+        return
+    size, rank = simulated_world(world_size)
+    try:
+        message = payload(serving, (*_portable(model, setup), _settings(), size, rank))
+    except Exception:  # noqa: BLE001 - e.g. an optimizer that cannot be rebuilt: made here
+        logger.debug("not shared out with worker processes", exc_info=True)
+        message = None
+    if message is None:
+        yield None
+        return
+    with Pool(message, count, run_here) as pool:
+        yield Shared(pool)
+
+
+def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:
+    """The model's module tree on the meta device (no tensor memory, ties kept) and the setup with
+    its optimizer rebuilt over it: what a worker simulates exactly as this process would."""
+    meta: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    meta.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    copy, _ = shallow_copy(model, setup.block_names, setup.block_names, meta)
+    optimizer = fake_optimizer(setup.optimizer, model, copy)
+    return copy, replace(setup, optimizer=optimizer, batch=tree_map(_View.of, setup.batch))
+
+
+@dataclass(frozen=True)
+class _View:
+    """A view of a batch tensor, as its base and its place in it. Pickling keeps a view's offset
+    into its storage but not that it is a view, and a fake copy of a view holds its base's whole
+    storage where a copy of a plain tensor holds only what it spans: a batch sliced out of a
+    larger one (each rank's rows of a global batch) was counted half as large in a worker."""
+
+    base: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(x: Any) -> Any:
+        base = view_base(x) if isinstance(x, torch.Tensor) else None
+        if base is None or base.dtype != x.dtype:  # a view as another dtype stays as it is
+            return x
+        return _View(base, tuple(x.size()), x.stride(), int(x.storage_offset()))
+
+    @staticmethod
+    def made(x: Any) -> Any:
+        if not isinstance(x, _View):
+            return x
+        return x.base.as_strided(x.size, x.stride, x.offset)
+
+
+_Settings = tuple[torch.dtype, bool, bool, str, tuple[bool, bool, bool, bool]]
+
+
+def _settings() -> _Settings:
+    """This process's settings that change what a fake step allocates (a script that made
+    float64 the default dtype creates float64 tensors in its forward; the attention kernel the
+    switches allow decides what attention saves), for a worker to take."""
+    cuda = torch.backends.cuda
+    return (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+        (
+            cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled(),
+        ),
+    )
+
+
+def _take(settings: _Settings) -> None:
+    dtype, deterministic, warn_only, precision, (flash, efficient, math, cudnn) = settings
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_float32_matmul_precision(precision)
+    cuda = torch.backends.cuda
+    cuda.enable_flash_sdp(flash)
+    cuda.enable_mem_efficient_sdp(efficient)
+    cuda.enable_math_sdp(math)
+    cuda.enable_cudnn_sdp(cudnn)
+
+
+@contextlib.contextmanager
+def serving(
+    state: tuple[nn.Module, Setup, _Settings, int, int],
+) -> Iterator[Callable[[Job], tuple[Steps, dict[Any, str]]]]:
+    """A worker's side (`measure.worker`): the caller's settings, the fake process group
+    `simulate_all` would use, and the function making one run there, which gives its steps and
+    the kernel workspaces it met that could not be measured (for the caller's note)."""
+    model, setup, settings, size, rank = state
+    _take(settings)
+    setup = replace(setup, batch=tree_map(_View.made, setup.batch))
+    repeats: Layout | None = layout(model, setup.block_names)
+    with own_runs_quiet(), fake_mesh(size, rank, setup.device.type) as mesh:
+        yield lambda job: (run_at_depth(model, setup, mesh, repeats, job), take_unmeasured())
