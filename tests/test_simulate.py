@@ -463,3 +463,21 @@ def test_a_module_gone_before_backward_is_not_warned_about() -> None:
         )
     assert not [str(w.message) for w in caught if "Module is None" in str(w.message)]
     assert any(r.startswith("estimates from simulated steps") for r in plan.reasons), plan.reasons
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=lambda m: m.__name__)
+def test_a_plan_made_without_autograd_traces_and_simulates_a_training_step(mode: object) -> None:
+    """plan() called under torch.no_grad() or inference_mode() (an evaluation script's) plans
+    the same training step: every fake step used to fail there, leaving activations out."""
+    model, optimizer, batch, _ = _mlp()
+
+    def planned() -> autoshard.Plan:
+        return autoshard.plan(
+            model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="no"
+        )
+
+    with_grad = planned()
+    with mode():  # type: ignore[operator]
+        without = planned()
+    assert without.candidates == with_grad.candidates
+    assert not any("could not be traced" in r or "not simulated" in r for r in without.reasons)

@@ -28,6 +28,7 @@ from autoshard.measure import cache
 from autoshard.measure.fake import shallow_copy
 from autoshard.measure.layout import SHALLOW, layout
 from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.step import autograd_on
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
 from autoshard.wrap.meter import held_bytes
@@ -143,7 +144,7 @@ def _measure(
     names: list[str] | None,
 ) -> Measured:
     try:
-        with own_runs_quiet():
+        with own_runs_quiet(), autograd_on():
             profile = _profile(model, blocks, batch, loss_fn, dtype, names)
     except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
         return Measured(None, "", _not_callable(error))
@@ -151,7 +152,8 @@ def _measure(
         real = forward_error(model, batch, dtype)
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
-        return _measured_for_real(model, blocks, batch, loss_fn, dtype, error)
+        with autograd_on():
+            return _measured_for_real(model, blocks, batch, loss_fn, dtype, error)
     return Measured(
         profile,
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "

@@ -41,6 +41,7 @@ from autoshard.measure.simulate import (
     run_at_depth,
     simulated_world,
 )
+from autoshard.measure.step import autograd_on
 from autoshard.measure.workspace import merge_unmeasured, take_unmeasured
 
 logger = logging.getLogger("autoshard")
@@ -194,5 +195,5 @@ def serving(
     _take(settings)
     setup = replace(setup, batch=tree_map(_View.made, setup.batch))
     repeats: Layout | None = layout(model, setup.block_names)
-    with own_runs_quiet(), fake_mesh(size, rank, setup.device.type) as mesh:
+    with own_runs_quiet(), autograd_on(), fake_mesh(size, rank, setup.device.type) as mesh:
         yield lambda job: (run_at_depth(model, setup, mesh, repeats, job), take_unmeasured())

@@ -57,7 +57,7 @@ from autoshard.measure.fake import (
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import own_runs_quiet
-from autoshard.measure.step import peak_of, total, tracked_step, with_state
+from autoshard.measure.step import autograd_on, peak_of, total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
@@ -269,6 +269,7 @@ Run = tuple[Strategy, bool]
 
 
 @own_runs_quiet()
+@autograd_on()
 def simulate_all(
     model: nn.Module,
     setup: Setup,

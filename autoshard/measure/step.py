@@ -28,6 +28,16 @@ from autoshard.strategies.strategy import Strategy
 if TYPE_CHECKING:
     from autoshard.measure.simulate import Setup
 
+
+@contextmanager
+def autograd_on() -> Iterator[None]:
+    """Autograd on, whatever the caller's mode: a step traced or simulated is a training step,
+    even where `plan` or `prepare` is called under `torch.no_grad()` or `torch.inference_mode()`
+    (there every fake step failed, and the estimate left activations out)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 # Optimizers whose step creates all of its state before any arithmetic (`_init_group`), so that
 # a first step's peak is a steady step's: the measured step may be the first. Any other optimizer
 # takes one unmeasured step first.
