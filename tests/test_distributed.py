@@ -362,13 +362,13 @@ def test_local_strategy_on_two_ranks_is_a_value_error(decide: Launch) -> None:
 
 
 def test_each_rank_s_worker_simulates_as_that_rank(decide: Launch) -> None:
-    """measure.sharing inside a job: of each rank's 3 runs its worker made 2 (the first is the
-    rank's, which the worker checks itself against), gathered the same on both ranks, equal to
-    the simulations without workers."""
+    """measure.sharing inside a job: of each rank's 9 steps (3 runs of 3 kinds at 3 depths) its
+    worker made 6 (the first of each kind is the rank's, which the worker checks itself
+    against), gathered the same on both ranks, equal to the simulations without workers."""
     for r in decide.case("simulations_shared_out_to_workers"):
         assert r["equal"], r
         assert r["runs"] == 6, r
-        assert "shared out among 2 ranks, 2 of the fake steps made by 1 worker" in r["note"], r
+        assert "shared out among 2 ranks, 6 of the fake steps made by 1 worker" in r["note"], r
 
 
 def test_ranks_stay_in_step_after_errors(decide: Launch) -> None:

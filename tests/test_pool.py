@@ -69,7 +69,7 @@ def test_a_worker_whose_first_job_differs_is_not_trusted() -> None:
         made = pool.run_all([2, 3, 4], lambda job: (job * job + 1, here), same=_value)
     assert made.made == {2: (5, here), 3: (10, here), 4: (17, here)}
     assert made.by_workers == 0
-    assert pool.distrusted == "a worker's first step differed from this process's"
+    assert pool.distrusted == "a worker's step differed from this process's"
 
 
 def test_a_failure_leaves_its_family_out() -> None:
@@ -94,22 +94,63 @@ def test_a_stuck_worker_costs_nothing() -> None:
     here = os.getpid()
     with Pool(payload(stuck, here) or b"", 1, run_here=False) as pool:
         checked = pool.run_all([2], lambda job: job * job, same=operator.eq)
-
-        def once_the_worker_is_stuck() -> None:
-            for _ in range(1200):
-                if pool._in_flight:
-                    break
-                time.sleep(0.1)
-            with pool._changed:  # from now on, this process may make jobs as a user's does
-                pool._run_here = True
-                pool._changed.notify_all()
-
-        watcher = threading.Thread(target=once_the_worker_is_stuck)
+        watcher = threading.Thread(
+            target=_let_this_process_work_once_a_worker_is_busy, args=(pool,)
+        )
         watcher.start()
         made = pool.run_all([3], lambda job: job * job, same=operator.eq)
         watcher.join()
     assert checked.made == {2: 4}
     assert made.made == {3: 9} and made.by_workers == 0
+
+
+def test_a_failure_drops_what_a_worker_makes_of_its_family() -> None:
+    """Once a job fails here, a job of its family a worker is still making is not made again
+    here (nor waited for): the caller needs none of them."""
+    here = os.getpid()
+
+    def made_here(job: int) -> int:
+        if job == 1:
+            raise RuntimeError("no")
+        return job * job
+
+    with Pool(payload(stuck, here) or b"", 1, run_here=False) as pool:
+        watcher = threading.Thread(
+            target=_let_this_process_work_once_a_worker_is_busy, args=(pool,)
+        )
+        watcher.start()
+        made = pool.run_all([0, 3, 1], made_here, same=operator.eq, family=lambda job: "one")
+        watcher.join()
+    assert made.made == {0: 0}
+    assert list(made.failed) == [1]
+
+
+def test_a_kind_whose_first_job_fails_here_is_made_here() -> None:
+    """No worker can check itself against a first job that failed here: the jobs of its kind are
+    this process's, and nothing is distrusted."""
+    here = os.getpid()
+
+    def made_here(job: int) -> tuple[int, int]:
+        if job == 0:
+            raise RuntimeError("no")
+        return job * job, here
+
+    with Pool(payload(squares, here) or b"", 1, run_here=False) as pool:
+        made = pool.run_all([0, 2], made_here, same=_value)
+    assert made.made == {2: (4, here)} and list(made.failed) == [0]
+    assert made.by_workers == 0 and pool.distrusted is None
+
+
+def _let_this_process_work_once_a_worker_is_busy(pool: Pool) -> None:
+    """From when a worker has taken a job (stuck: job 3), this process may make jobs as a
+    user's does (`run_here`)."""
+    for _ in range(1200):
+        if pool._in_flight:
+            break
+        time.sleep(0.1)
+    with pool._changed:
+        pool._run_here = True
+        pool._changed.notify_all()
 
 
 def test_a_model_defined_in_main_is_simulated_here() -> None:
@@ -266,8 +307,9 @@ def test_runs_made_by_workers_equal_this_process_s(
             model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES, workers=helpers
         )
     assert shared == alone
-    # every step but the first, which this process makes and each worker checks itself against
-    steps = 2 * len(STRATEGIES) * (3 if case == "deep_mlp" else 1) - 1
+    # every step but the first of each kind (sharded or not, checkpointed or not: 4 here), which
+    # this process makes and each worker checks itself against
+    steps = 2 * len(STRATEGIES) * (3 if case == "deep_mlp" else 1) - 4
     assert f", {steps} of the fake steps made by 2 worker process(es)" in shared_note
     if trains_on == "cuda":
         assert "not counted (no CUDA device here)" in note
@@ -278,17 +320,18 @@ def test_runs_made_by_workers_equal_this_process_s(
 def _shared_out(
     model: nn.Module, names: list[str], batch: object, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict, str, dict, str]:
-    """DDP's unchecked and checkpointed runs, in this process alone and with a worker making
-    all it can: each's simulations and note."""
+    """SHARD_GRAD_OP's and FULL_SHARD's runs, unchecked and checkpointed, in this process alone
+    and with a worker making all it can (the first of each kind is made here): each's
+    simulations and note."""
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, torch.optim.SGD(model.parameters()), None, CPU)
-    ddp = (STRATEGIES[0],)
-    alone, note = simulate_all(model, setup, ddp, stats, 1, checkpointed=ddp)
+    sharded = STRATEGIES[1:]
+    alone, note = simulate_all(model, setup, sharded, stats, 2, checkpointed=sharded)
     monkeypatch.setenv(WORKERS, "1")
-    with workers(model, setup, 1, 2, run_here=False) as helpers:
+    with workers(model, setup, 2, 4, run_here=False) as helpers:
         assert helpers is not None
         shared, shared_note = simulate_all(
-            model, setup, ddp, stats, 1, checkpointed=ddp, workers=helpers
+            model, setup, sharded, stats, 2, checkpointed=sharded, workers=helpers
         )
     return alone, note, shared, shared_note
 
@@ -316,7 +359,7 @@ def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPat
     finally:
         torch.set_default_dtype(torch.float32)
     assert shared == alone
-    assert ", 1 of the fake steps made by 1 worker process(es)" in note, note
+    assert ", 2 of the fake steps made by 1 worker process(es)" in note, note
 
 
 @simulation
@@ -334,10 +377,32 @@ def test_what_a_worker_cannot_see_leaves_every_step_here(monkeypatch: pytest.Mon
         _Scratch(), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
     )
     assert shared == alone
-    assert (
-        "made in this process alone: a worker's first step differed from this process's"
-        in shared_note
-    ), shared_note
+    differed = (
+        ", 0 of the fake steps made by 1 worker process(es), the others here: a worker's step "
+        "differed from this process's"
+    )
+    assert differed in shared_note, shared_note
+
+
+@simulation
+def test_a_change_only_checkpointed_runs_see_is_caught_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checkpointed runs are a kind of their own: checkpointing patched at run time (here: made
+    a no-op) leaves the unchecked runs alike, and the worker makes those; the checkpointed ones
+    differ, and are made here."""
+    import autoshard.strategies.engines as engines
+
+    monkeypatch.setattr(engines, "composable_checkpoint", lambda module: None)
+    alone, note, shared, shared_note = _shared_out(
+        MLP(width=32, depth=2), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
+    )
+    assert shared == alone
+    differed = (
+        ", 1 of the fake steps made by 1 worker process(es), the others here: a worker's step "
+        "differed from this process's"
+    )
+    assert differed in shared_note, shared_note
 
 
 @simulation
@@ -354,3 +419,21 @@ def test_a_what_if_plan_with_workers_is_the_plan_without(monkeypatch: pytest.Mon
         )
     assert plans[0].candidates == plans[1].candidates
     assert plans[0].chosen == plans[1].chosen
+
+
+@simulation
+def test_no_worker_starts_where_the_cache_has_every_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(WORKERS, "1")
+    model, optimizer, batch, names = _gpt()
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, CPU)
+    simulate_all(model, setup, STRATEGIES, stats, 2)  # kept in the cache
+    with workers(model, setup, 2, len(STRATEGIES)) as helpers:
+        assert helpers is not None
+        _, note = simulate_all(model, setup, STRATEGIES, stats, 2, workers=helpers)
+        assert helpers.size == 0
+    assert "3 read from autoshard's cache" in note and "worker process" not in note, note

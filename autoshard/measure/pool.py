@@ -9,9 +9,10 @@ torch, or stuck, costs an idle core and nothing else), and workers are stopped a
 
 A job must give the same result wherever it is made. A worker is a fresh interpreter, which sees
 what it is sent and nothing else this process changed (a patched function, a switch of torch's, a
-warning filter): so each worker first makes the job this process made first, and takes the
-round's jobs only where its result is the same (`same`). Where it differs, every worker is
-stopped and this process makes everything (`distrusted` says why).
+warning filter): so for each kind of job (what such a change may touch alike) each worker first
+makes the kind's first job, which this process makes first, and takes that kind's jobs only
+where its result is the same (`same`). Where it differs, every worker is stopped and this
+process makes the rest (`distrusted` says why).
 
 Workers are started as `python -m autoshard.measure.worker`, not forked (the caller may hold
 threads, locks and CUDA state a fork does not carry safely), nor as multiprocessing's spawned
@@ -110,8 +111,11 @@ class Pool:
     """`count` workers, each sent `message` (`payload`) at start, that share out the jobs of each
     `run_all` with this process, until `close` (or the end of a `with` block) stops them.
 
-    With `run_here` False this process makes, besides the job each worker checks itself
-    against, only the jobs no worker is left to make (the tests make the workers do the rest)."""
+    Jobs come in kinds (`run_all`'s `kind`: what a change of this process's may touch alike).
+    The first job of each kind is this process's, its reference: a worker makes it too before
+    any other job of that kind, and takes that kind's jobs only where its result is the same.
+    With `run_here` False this process makes, besides the references, only the jobs no worker
+    is left to make (the tests make the workers do the rest)."""
 
     def __init__(self, message: bytes, count: int, run_here: bool = True) -> None:
         self._changed = threading.Condition()
@@ -121,9 +125,10 @@ class Pool:
         self._in_flight: set[Any] = set()  # jobs a worker is making now
         self._made_here: set[Any] = set()  # the round's jobs this process took
         self._family: Callable[[Any], Hashable] = lambda job: job
+        self._kind: Callable[[Any], Hashable] = lambda job: None
         self._same: Callable[[Any, Any], bool] = lambda a, b: bool(a == b)
-        self._reference: Any = None  # the first job made here
-        self._reference_result: tuple[bool, Any] | None = None  # (made, result or why not)
+        self._references: dict[Hashable, Any] = {}  # kind -> its first job, made here
+        self._outcomes: dict[Hashable, tuple[bool, Any]] = {}  # kind -> its reference's outcome
         self._closing = False
         self._run_here = run_here
         self._alive = count
@@ -149,29 +154,32 @@ class Pool:
         here: Callable[[Job], Result],
         same: Callable[[Result, Result], bool],
         family: Callable[[Job], Hashable] = lambda job: job,
+        kind: Callable[[Job], Hashable] = lambda job: None,
     ) -> Round[Job, Result]:
         """The jobs made by whoever takes them first: a worker, or `here(job)` in this process
-        (the first job of the pool's first round always here: workers check themselves against
-        it with `same`). Once a job fails, the other jobs of its `family` still queued are left
-        out: the caller, which makes or explains them itself, needs none of them."""
+        (each `kind`'s first job always here, first: workers check themselves against it with
+        `same`). Once a job fails, the other jobs of its `family` not yet made are left out:
+        the caller, which makes or explains them itself, needs none of them."""
         with self._changed:
             fresh = [job for job in dict.fromkeys(jobs) if job not in self._open]
             self._round = Round()
             self._made_here = set()
-            self._family, self._same = family, same
+            self._family, self._kind, self._same = family, kind, same
             self._queue.extend(fresh)
             self._open.update(fresh)
-            if self._reference is None and fresh:
-                self._reference = fresh[0]
-                self._queue.remove(fresh[0])
-                self._made_here.add(fresh[0])
-                first: Any = fresh[0]
-            else:
-                first = None
+            references: list[Any] = []
+            for new in fresh:
+                if kind(new) not in self._references:
+                    self._references[kind(new)] = new
+                    references.append(new)
+                    self._queue.remove(new)
+                    self._made_here.add(new)
             self._changed.notify_all()
-        job: Any = first
+        job: Any
         while True:
-            if job is None:
+            if references:
+                job = references.pop(0)
+            else:
                 with self._changed:
                     while self._open and (job := self._next_here()) is None:
                         self._changed.wait()
@@ -184,10 +192,9 @@ class Pool:
                 logger.debug("a job failed here", exc_info=True)
                 outcome = (False, error)
             with self._changed:
-                if job == self._reference and self._reference_result is None:
-                    self._reference_result = outcome
+                if self._references.get(kind(job)) == job:
+                    self._outcomes.setdefault(kind(job), outcome)
                 self._settle(job, outcome, by_worker=False)
-            job = None
 
     def close(self) -> None:
         """Stops every worker, busy or not."""
@@ -201,11 +208,15 @@ class Pool:
 
     def _next_here(self) -> Any:
         """The job this process makes next (None: wait), under the lock: the first queued, with
-        `run_here` or once no worker is left; with nothing queued, one a worker is making."""
-        if self._queue and (self._run_here or not self._alive):
-            job = self._queue.popleft()
-            self._made_here.add(job)
-            return job
+        `run_here` or once no worker is left (or none may make it: its kind's reference failed
+        here); with nothing queued, one a worker is making."""
+        for job in self._queue:
+            kind = self._kind(job)
+            unverifiable = kind in self._outcomes and not self._outcomes[kind][0]
+            if self._run_here or not self._alive or unverifiable:
+                self._queue.remove(job)
+                self._made_here.add(job)
+                return job
         if self._run_here or not self._alive:
             for job in self._in_flight:
                 if job in self._open and job not in self._made_here:
@@ -215,8 +226,8 @@ class Pool:
 
     def _settle(self, job: Any, outcome: tuple[bool, Any], by_worker: bool) -> None:
         """Under the lock: the first outcome for `job` stands (one made twice, here and by a
-        worker, is the same: the later is dropped). A failure leaves out the queued jobs of its
-        family."""
+        worker, is the same: the later is dropped). A failure leaves out its family's other
+        jobs, queued or being made by a worker (whose answer is then dropped)."""
         if job not in self._open:
             return
         self._open.discard(job)
@@ -227,28 +238,21 @@ class Pool:
         else:
             self._round.failed[job] = value
             family = self._family(job)
-            for other in [j for j in self._queue if self._family(j) == family]:
-                self._queue.remove(other)
+            for other in [j for j in self._open if self._family(j) == family]:
                 self._open.discard(other)
+                if other in self._queue:
+                    self._queue.remove(other)
         self._changed.notify_all()
 
     def _serve(self, worker: _Worker) -> None:
-        """One worker's thread: start it, check it against the first job made here, then hand
-        it jobs until the pool closes. A job a worker could not answer goes back on the queue,
-        and the worker is stopped; one whose result differs stops them all."""
+        """One worker's thread: start it, then hand it jobs of the kinds it has checked (`_take`)
+        until the pool closes. A job a worker could not answer goes back on the queue, and the
+        worker is stopped; a reference it makes otherwise stops them all."""
         job = None
+        checked: set[Hashable] = set()
         try:
             worker.start()
-            if not self._checked(worker):
-                return
-            while True:
-                with self._changed:
-                    while not self._queue and not self._closing and self.distrusted is None:
-                        self._changed.wait()
-                    if self._closing or self.distrusted is not None:
-                        return
-                    job = self._queue.popleft()
-                    self._in_flight.add(job)
+            while (job := self._take(worker, checked)) is not None:
                 made, value = worker.ask(job)
                 with self._changed:
                     self._in_flight.discard(job)
@@ -267,35 +271,43 @@ class Pool:
                         self._queue.appendleft(job)
                 self._changed.notify_all()
 
-    def _checked(self, worker: _Worker) -> bool:
-        """Whether `worker` makes the first job made here as this process made it. Where it does
-        not, the pool distrusts every worker (all are as fresh): they stop."""
-        with self._changed:
-            while self._reference is None and not self._closing and self.distrusted is None:
-                self._changed.wait()
-            if self._closing or self.distrusted is not None:
-                return False
-            reference = self._reference
-        theirs = worker.ask(reference)
-        with self._changed:
-            while self._reference_result is None and not self._closing:
-                self._changed.wait()
-            if self._closing or self.distrusted is not None:
-                return False
-            ours = self._reference_result
-            assert ours is not None
-            if ours[0] and theirs[0] and self._same(ours[1], theirs[1]):
-                return True
-            why = (
-                "its first step failed here"
-                if not ours[0]
-                else f"it failed in a worker ({theirs[1]})"
-                if not theirs[0]
-                else "a worker's first step differed from this process's"
-            )
-            self.distrusted = self.distrusted or why
-            self._changed.notify_all()
-            return False
+    def _take(self, worker: _Worker, checked: set[Hashable]) -> Any:
+        """The next job for `worker` (None: stop): the first queued of a kind it has checked;
+        where none is, it checks itself against the reference of a queued job's kind first."""
+        while True:
+            with self._changed:
+                while True:
+                    if self._closing or self.distrusted is not None:
+                        return None
+                    kinds = [self._kind(job) for job in self._queue]
+                    ready = [
+                        job for job, kind in zip(self._queue, kinds, strict=True) if kind in checked
+                    ]
+                    if ready:
+                        self._queue.remove(ready[0])
+                        self._in_flight.add(ready[0])
+                        return ready[0]
+                    # a kind whose reference is made (and succeeded) here: check against it
+                    unchecked = [
+                        k for k in kinds if self._outcomes.get(k, (False,))[0] and k not in checked
+                    ]
+                    if unchecked:
+                        kind = unchecked[0]
+                        break
+                    self._changed.wait()
+                reference, (_, ours) = self._references[kind], self._outcomes[kind]
+            made, theirs = worker.ask(reference)
+            with self._changed:
+                if made and self._same(ours, theirs):
+                    checked.add(kind)
+                    continue
+                self.distrusted = self.distrusted or (
+                    "a worker's step differed from this process's"
+                    if made
+                    else f"a step failed in a worker that did not here ({theirs})"
+                )
+                self._changed.notify_all()
+                return None
 
 
 class _Worker:

@@ -8,8 +8,9 @@ its optimizer rebuilt over it, the example batch, the loss function, and the set
 process that change what a step allocates (default dtype, deterministic algorithms, float32
 matmul precision, attention kernels allowed). Anything else this process changed and a fresh
 interpreter does not see (a function patched at run time, a warning filter, autocast) is caught
-by the pool's check: each worker first makes the run this process made first, and is trusted
-with the others only where the bytes are the same.
+by the pool's check: for each kind of run (`_kind`: sharded or not, checkpointed or not), each
+worker first makes the run this process made first, and is trusted with the others of that kind
+only where the bytes are the same.
 
 Only simulations on fake CPU tensors are shared out (`pool.worker_count`), and none while a
 profiler runs here (kernel workspace is then left unmeasured here, and a worker would measure
@@ -43,15 +44,28 @@ from autoshard.measure.simulate import (
 )
 from autoshard.measure.step import autograd_on
 from autoshard.measure.workspace import merge_unmeasured, take_unmeasured
+from autoshard.strategies.recipes import recipe
 
 logger = logging.getLogger("autoshard")
 
 
 class Shared:
-    """A rank's workers for one planning (`workers`), which `simulate_all` shares its runs with."""
+    """A rank's workers for one planning (`workers`), which `simulate_all` shares its runs with:
+    started at the first round with runs left to make (none where the cache had them all)."""
 
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+    def __init__(self, message: Callable[[], bytes | None], count: int, run_here: bool) -> None:
+        self._message, self._count, self._run_here = message, count, run_here
+        self._pool: Pool | None = None
+        self._started = False
+        self.size = 0  # workers started
+
+    @property
+    def distrusted(self) -> str | None:
+        return self._pool.distrusted if self._pool is not None else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def ahead(
         self, model: nn.Module, setup: Setup, runs: list[Run], mesh: Any
@@ -61,16 +75,20 @@ class Shared:
         workers made. A step that failed here is its exception (`simulate` raises it); one that
         failed in a worker, or was left out once another depth of its run failed, is missing:
         `simulate` makes it again where it needs it, and handles a failure as it always does."""
+        pool = self._pool_for(runs)
+        if pool is None:
+            return {}, 0
         repeats = layout(model, setup.block_names)
         depths = SHALLOW if repeats is not None else (None,)
         jobs: list[Job] = [(strategy, ck, k) for strategy, ck in runs for k in depths]
-        report = logger.debug if dist.is_initialized() else logger.info  # the CLI shows INFO
-        report(f"sharing {len(jobs)} fake step(s) out with {self.pool.size} worker process(es)")
+        if pool.distrusted is None:
+            report = logger.debug if dist.is_initialized() else logger.info  # the CLI shows INFO
+            report(f"sharing {len(jobs)} fake step(s) out with {pool.size} worker process(es)")
 
         def here(job: Job) -> tuple[Steps, dict[Any, str]]:
             return run_at_depth(model, setup, mesh, repeats, job), {}  # notes: this process's
 
-        made = self.pool.run_all(jobs, here, same=_same_steps, family=lambda job: job[:2])
+        made = pool.run_all(jobs, here, same=_same_steps, family=_family, kind=_kind)
         found: dict[Run, dict[int | None, Steps | BaseException]] = {}
         for (strategy, ck, k), (steps, unmeasured) in made.made.items():
             merge_unmeasured(unmeasured)
@@ -79,6 +97,27 @@ class Shared:
             if isinstance(error, BaseException):
                 found.setdefault((strategy, ck), {})[k] = error
         return found, made.by_workers
+
+    def _pool_for(self, runs: list[Run]) -> Pool | None:
+        if not self._started and runs:
+            self._started = True
+            message = self._message()
+            if message is not None:
+                self._pool = Pool(message, self._count, self._run_here)
+                self.size = self._count
+        return self._pool
+
+
+def _family(job: Job) -> Run:
+    """A run's depths: once one fails, `simulate` makes the whole model instead."""
+    return job[0], job[1]
+
+
+def _kind(job: Job) -> tuple[bool, bool]:
+    """What a change of the caller's may touch alike, each checked apart (`Pool`): FSDP2's
+    wrapping (a sharded strategy), checkpointing (every block checkpointed), or neither (the
+    model and the optimizer alone: DDP is simulated unwrapped)."""
+    return recipe(job[0]).sharded, job[1]
 
 
 def _same_steps(ours: tuple[Steps, Any], theirs: tuple[Steps, Any]) -> bool:
@@ -90,25 +129,29 @@ def workers(
     model: nn.Module, setup: Setup, world_size: int, runs: int, run_here: bool = True
 ) -> Iterator[Shared | None]:
     """Worker processes for `simulate_all`'s runs on this rank, where the first round's `runs`
-    (on this rank) leave some to share out and this machine's cores are idle; None where not,
-    or where what a run needs cannot be sent to them. (With `run_here` False this process
-    leaves every run it can to them: `Pool`.)"""
+    (on this rank) leave some to share out and this machine's cores are idle; None where not.
+    They start at the first round with runs left, unless what a run needs cannot be sent to
+    them (then none does). (With `run_here` False this process leaves every run it can to
+    them: `Pool`.)"""
     depths = len(SHALLOW) if layout(model, setup.block_names) is not None else 1
     count = worker_count(setup.device, runs * depths)
     if count == 0 or unavailable() is not None or profiler_enabled():
         yield None
         return
     size, rank = simulated_world(world_size)
+
+    def message() -> bytes | None:
+        try:
+            return payload(serving, (*_portable(model, setup), _settings(), size, rank))
+        except Exception:  # noqa: BLE001 - e.g. an optimizer that cannot be rebuilt: made here
+            logger.debug("not shared out with worker processes", exc_info=True)
+            return None
+
+    shared = Shared(message, count, run_here)
     try:
-        message = payload(serving, (*_portable(model, setup), _settings(), size, rank))
-    except Exception:  # noqa: BLE001 - e.g. an optimizer that cannot be rebuilt: made here
-        logger.debug("not shared out with worker processes", exc_info=True)
-        message = None
-    if message is None:
-        yield None
-        return
-    with Pool(message, count, run_here) as pool:
-        yield Shared(pool)
+        yield shared
+    finally:
+        shared.close()
 
 
 def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:

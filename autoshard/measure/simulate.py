@@ -368,8 +368,8 @@ def simulate_all(
     results.update({run: simulated for run, (simulated, _) in kept.items()})
     missing = missing or next((m for _, m in kept.values() if m), None)
     tally.add(runs, failures, len(kept), missing)
-    if workers is not None:
-        tally.shared_out(workers.pool.size, by_workers, workers.pool.distrusted)
+    if workers is not None and workers.size:
+        tally.shared_out(workers.size, by_workers, workers.distrusted)
     return dict(sorted(results.items())), tally.note(size, shared)
 
 
@@ -462,14 +462,14 @@ class Tally:
         """The plan's reason for the round."""
         seconds = time.perf_counter() - self.started
         shared_out = f", shared out among {size} ranks" if shared and size > 1 else ""
-        if self.distrusted:
-            shared_out += (
-                f", made in this process alone: {self.distrusted} (a fresh interpreter does not "
-                f"see what this process changed, e.g. a function patched at run time)"
-            )
-        elif self.workers:
+        if self.workers:
             shared_out += (
                 f", {self.by_workers} of the fake steps made by {self.workers} worker process(es)"
+            )
+        if self.distrusted:
+            shared_out += (
+                f", the others here: {self.distrusted} (a fresh interpreter does not see what "
+                f"this process changed, e.g. a function patched at run time)"
             )
         if self.kept:
             shared_out += f", {self.kept} read from autoshard's cache: {cache.directory()}"

@@ -219,8 +219,9 @@ def simulations_shared_out_to_workers() -> dict[str, Any]:
     from autoshard.measure.simulate import Setup, simulate_all
     from autoshard.strategies.strategy import Strategy
 
-    model, optimizer = build(WIDTH, DEPTH)
-    names = [f"blocks.{i}" for i in range(DEPTH)]
+    depth = 16  # simulated at 3, 4 and 5 blocks: 3 steps per run
+    model, optimizer = build(WIDTH, depth)
+    names = [f"blocks.{i}" for i in range(depth)]
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, local_batches(1)[0], None, optimizer, None, torch.device("cpu"))
     strategies = (Strategy.DDP, Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD)
@@ -229,8 +230,9 @@ def simulations_shared_out_to_workers() -> dict[str, Any]:
     )
     os.environ[WORKERS] = "1"
     try:
-        # 6 runs shared out between the 2 ranks: 3 on each, the first made by the rank (its
-        # worker checks itself against it), the others by its worker
+        # 6 runs shared out between the 2 ranks: 3 on each, of 3 kinds (sharded or not,
+        # checkpointed or not), 9 steps; the first of each kind made by the rank (its worker
+        # checks itself against it), the other 6 by its worker
         with workers(model, setup, 2, 3, run_here=False) as helpers:
             assert helpers is not None
             shared, note = simulate_all(
