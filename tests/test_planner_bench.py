@@ -60,6 +60,22 @@ def test_parallel_simulation_reports_the_same_plan_with_workers() -> None:
     assert row is not None and row[2] == "yes", output[-3000:]
 
 
+def test_depth_cost_counts_a_plan() -> None:
+    """benchmarks/depth_cost.py: the fake steps and operators of one plan, with its choice."""
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "depth_cost.py"),
+        "--depths",
+        "16",
+        "--device-memory",
+        "1000GiB",
+    ]
+    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
+    assert code == 0 and not timed_out, output[-3000:]
+    row = re.search(r"\| 1000GiB \| 16 \| (\d+) \| ([\d,]+) \| 1\.00 \| (\w+), AC 0 \|", output)
+    assert row is not None and int(row[1]) >= 3, output[-3000:]
+
+
 def _env() -> dict[str, str]:
     """This checkout importable, no launcher's variables, no GPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
