@@ -268,37 +268,48 @@ def _deep_mlp() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
     )
 
 
+class _ConvBlocks(nn.Module):
+    """A stem, 16 convolution blocks (simulated at 3, 4 and 5 and extended), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            for _ in range(16)
+        )
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.flatten(1))
+
+
 def _convnet() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
-        nn.Flatten(),
-        nn.Linear(8 * 16 * 16, 10),
-    )
-    return model, torch.optim.SGD(model.parameters()), torch.randn(4, 3, 16, 16), ["0", "3"]
+    model = _ConvBlocks()
+    names = [f"blocks.{i}" for i in range(16)]
+    return model, torch.optim.SGD(model.parameters()), torch.randn(4, 3, 8, 8), names
 
 
 @simulation
 @pytest.mark.parametrize(
     "case,dtype,trains_on",
-    [("deep_mlp", None, "cpu"), ("gpt", torch.bfloat16, "cpu"), ("convnet", None, "cuda")],
-    ids=["extended", "whole-bf16", "convolutions-what-if-cuda"],
+    [("mlp", None, "cpu"), ("mlp", torch.bfloat16, "cpu"), ("convnet", None, "cuda")],
+    ids=["fp32", "bf16", "convolutions-what-if-cuda"],
 )
 def test_runs_made_by_workers_equal_this_process_s(
     monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype | None, trains_on: str
 ) -> None:
-    """Every strategy, unchecked and checkpointed, each step made in a worker: the same
-    simulations, and the same note (kernel workspaces left unmeasured, what-if for CUDA,
-    included) but for its seconds and its count of the workers' steps."""
-    model, optimizer, batch, names = {"deep_mlp": _deep_mlp, "gpt": _gpt, "convnet": _convnet}[
-        case
-    ]()
+    """Every strategy, unchecked and checkpointed, each made at its first depth here and at the
+    two others by workers: the same simulations, and the same note (kernel workspaces measured
+    in bf16 on CPU, or left unmeasured for CUDA, included) but for its seconds and its count of
+    the workers' steps."""
+    model, optimizer, batch, names = {"mlp": _deep_mlp, "convnet": _convnet}[case]()
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
-    cpu = torch.device("cpu")
-    setup = Setup(names, batch, None, optimizer, dtype, cpu, trains_on=torch.device(trains_on))
+    setup = Setup(names, batch, None, optimizer, dtype, CPU, trains_on=torch.device(trains_on))
     alone, note = simulate_all(model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES)
     monkeypatch.setenv(WORKERS, "2")
     with workers(model, setup, 2, 2 * len(STRATEGIES), run_here=False) as helpers:
@@ -307,10 +318,8 @@ def test_runs_made_by_workers_equal_this_process_s(
             model, setup, STRATEGIES, stats, 2, checkpointed=STRATEGIES, workers=helpers
         )
     assert shared == alone
-    # every step but the first of each kind (sharded or not, checkpointed or not: 4 here), which
-    # this process makes and each worker checks itself against
-    steps = 2 * len(STRATEGIES) * (3 if case == "deep_mlp" else 1) - 4
-    assert f", {steps} of the fake steps made by 2 worker process(es)" in shared_note
+    # 6 runs at 3 depths each: the first depth of each run made here, the other 12 by workers
+    assert ", 12 of the fake steps made by 2 worker process(es)" in shared_note, shared_note
     if trains_on == "cuda":
         assert "not counted (no CUDA device here)" in note
     seconds = re.compile(r"\d+\.\ds|, \d+ of the fake steps made by 2 worker process\(es\)")
@@ -318,11 +327,11 @@ def test_runs_made_by_workers_equal_this_process_s(
 
 
 def _shared_out(
-    model: nn.Module, names: list[str], batch: object, monkeypatch: pytest.MonkeyPatch
+    model: nn.Module, batch: object, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict, str, dict, str]:
-    """SHARD_GRAD_OP's and FULL_SHARD's runs, unchecked and checkpointed, in this process alone
-    and with a worker making all it can (the first of each kind is made here): each's
-    simulations and note."""
+    """SHARD_GRAD_OP's and FULL_SHARD's runs, unchecked and checkpointed (16 blocks, at 3, 4 and
+    5), in this process alone and with a worker making all it can: each's simulations and note."""
+    names = [f"blocks.{i}" for i in range(16)]
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
     setup = Setup(names, batch, None, torch.optim.SGD(model.parameters()), None, CPU)
     sharded = STRATEGIES[1:]
@@ -337,29 +346,36 @@ def _shared_out(
 
 
 class _Scratch(nn.Module):
-    """Allocates a tensor of the default dtype in its forward."""
+    """16 blocks, then a tensor of the default dtype allocated in its forward."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(16, 64), nn.Linear(64, 64)])
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks[1](self.blocks[0](x))
-        return h * torch.ones(h.shape).to(h.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return x * torch.ones(x.shape).to(x.dtype)
+
+
+def _differed(made: int) -> str:
+    return (
+        f", {made} of the fake steps made by 1 worker process(es), the others here: a worker's "
+        f"step differed from this process's"
+    )
 
 
 @simulation
 def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The settings a worker is sent: trusted (its first step the same), it makes the rest."""
+    """The settings a worker is sent: trusted (each run's first depth the same), it makes the
+    others."""
     torch.set_default_dtype(torch.float64)
     try:
-        alone, _, shared, note = _shared_out(
-            _Scratch().float(), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
-        )
+        alone, _, shared, note = _shared_out(_Scratch().float(), torch.randn(32, 16), monkeypatch)
     finally:
         torch.set_default_dtype(torch.float32)
     assert shared == alone
-    assert ", 2 of the fake steps made by 1 worker process(es)" in note, note
+    assert ", 8 of the fake steps made by 1 worker process(es)" in note, note
 
 
 @simulation
@@ -369,40 +385,50 @@ def test_what_a_worker_cannot_see_leaves_every_step_here(monkeypatch: pytest.Mon
     here, and the note says why."""
 
     def wider(self: _Scratch, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks[1](self.blocks[0](x))
-        return torch.cat([h, h * 2, h * 3]).sum(0)
+        for block in self.blocks:
+            x = block(x)
+        return torch.cat([x, x * 2, x * 3]).sum(0)
 
     monkeypatch.setattr(_Scratch, "forward", wider)
-    alone, note, shared, shared_note = _shared_out(
-        _Scratch(), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
-    )
+    alone, note, shared, shared_note = _shared_out(_Scratch(), torch.randn(32, 16), monkeypatch)
     assert shared == alone
-    differed = (
-        ", 0 of the fake steps made by 1 worker process(es), the others here: a worker's step "
-        "differed from this process's"
-    )
-    assert differed in shared_note, shared_note
+    assert _differed(0) in shared_note, shared_note
 
 
 @simulation
 def test_a_change_only_checkpointed_runs_see_is_caught_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Checkpointed runs are a kind of their own: checkpointing patched at run time (here: made
-    a no-op) leaves the unchecked runs alike, and the worker makes those; the checkpointed ones
-    differ, and are made here."""
+    """Checkpointing patched at run time (here: made a no-op) leaves the unchecked runs alike,
+    and the worker makes their other depths; the checkpointed ones differ, and are made here."""
     import autoshard.strategies.engines as engines
 
     monkeypatch.setattr(engines, "composable_checkpoint", lambda module: None)
     alone, note, shared, shared_note = _shared_out(
-        MLP(width=32, depth=2), ["blocks.0", "blocks.1"], torch.randn(32, 16), monkeypatch
+        MLP(width=32, depth=16), torch.randn(32, 16), monkeypatch
     )
     assert shared == alone
-    differed = (
-        ", 1 of the fake steps made by 1 worker process(es), the others here: a worker's step "
-        "differed from this process's"
+    assert _differed(4) in shared_note, shared_note
+
+
+@simulation
+def test_a_change_only_one_strategy_sees_is_caught_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each strategy's runs are checked apart: `fully_shard` patched at run time to keep
+    FULL_SHARD's parameters gathered after forward changes FULL_SHARD alone, whose other depths
+    are then made here (SHARD_GRAD_OP's, alike, by the worker)."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+
+    def gathered(module: nn.Module, **kwargs: object) -> object:
+        return original(module, **{**kwargs, "reshard_after_forward": False})
+
+    monkeypatch.setattr(fsdp, "fully_shard", gathered)
+    alone, note, shared, shared_note = _shared_out(
+        MLP(width=32, depth=16), torch.randn(32, 16), monkeypatch
     )
-    assert differed in shared_note, shared_note
+    assert shared == alone
+    assert _differed(2) in shared_note, shared_note
 
 
 @simulation

@@ -51,6 +51,10 @@ WORKERS = "AUTOSHARD_SIMULATION_WORKERS"
 # A worker's own entry point: `python -m` runs it as a script, never the caller's
 _ENTRY = "autoshard.measure.worker"
 _LENGTH = struct.Struct("<Q")  # each message: its length, then the pickled bytes
+_LAUNCHER_VARIABLES = frozenset(
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+    + ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+)
 Job = TypeVar("Job", bound=Hashable)
 Result = TypeVar("Result")
 
@@ -133,6 +137,7 @@ class Pool:
         self._run_here = run_here
         self._alive = count
         self.size = count
+        self.started = 0  # workers that started and read their payload
         self.distrusted: str | None = None  # why the workers were stopped, if they were
         self._workers = [_Worker(message) for _ in range(count)]
         self._threads = [
@@ -252,6 +257,8 @@ class Pool:
         checked: set[Hashable] = set()
         try:
             worker.start()
+            with self._changed:
+                self.started += 1
             while (job := self._take(worker, checked)) is not None:
                 made, value = worker.ask(job)
                 with self._changed:
@@ -323,7 +330,10 @@ class _Worker:
     def start(self) -> None:
         """Starts the process, sends it the payload and waits until it has read it."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *sys.path])}
+        # the caller's environment, less a launcher's rank variables (a module the payload
+        # imports may act on them), with no workers of its own
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+        env.update({"PYTHONPATH": os.pathsep.join([package_root, *sys.path]), WORKERS: "0"})
         with self._lock:
             if self._stopped:
                 raise RuntimeError("stopped before it started")

@@ -8,9 +8,9 @@ its optimizer rebuilt over it, the example batch, the loss function, and the set
 process that change what a step allocates (default dtype, deterministic algorithms, float32
 matmul precision, attention kernels allowed). Anything else this process changed and a fresh
 interpreter does not see (a function patched at run time, a warning filter, autocast) is caught
-by the pool's check: for each kind of run (`_kind`: sharded or not, checkpointed or not), each
-worker first makes the run this process made first, and is trusted with the others of that kind
-only where the bytes are the same.
+by the pool's check: of each run (a strategy, checkpointed or not) this process makes the first
+depth, and a worker makes the run's other depths only once its own make of that depth was the
+same to the byte. A model simulated whole (one depth per run) is therefore made here alone.
 
 Only simulations on fake CPU tensors are shared out (`pool.worker_count`), and none while a
 profiler runs here (kernel workspace is then left unmeasured here, and a worker would measure
@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autoshard._torch_compat import profiler_enabled, tree_map, view_base
@@ -44,7 +43,6 @@ from autoshard.measure.simulate import (
 )
 from autoshard.measure.step import autograd_on
 from autoshard.measure.workspace import merge_unmeasured, take_unmeasured
-from autoshard.strategies.recipes import recipe
 
 logger = logging.getLogger("autoshard")
 
@@ -57,7 +55,11 @@ class Shared:
         self._message, self._count, self._run_here = message, count, run_here
         self._pool: Pool | None = None
         self._started = False
-        self.size = 0  # workers started
+
+    @property
+    def size(self) -> int:
+        """The workers that started (one whose payload cannot be read there never does)."""
+        return self._pool.started if self._pool is not None else 0
 
     @property
     def distrusted(self) -> str | None:
@@ -68,7 +70,7 @@ class Shared:
             self._pool.close()
 
     def ahead(
-        self, model: nn.Module, setup: Setup, runs: list[Run], mesh: Any
+        self, model: nn.Module, setup: Setup, runs: list[Run], mesh: Any, in_job: bool
     ) -> tuple[dict[Run, dict[int | None, Steps | BaseException]], int]:
         """The steps `simulate` starts each run from (its first depths, or the whole model),
         made by this process and the workers together, by run and depth, with the number the
@@ -76,19 +78,19 @@ class Shared:
         failed in a worker, or was left out once another depth of its run failed, is missing:
         `simulate` makes it again where it needs it, and handles a failure as it always does."""
         pool = self._pool_for(runs)
-        if pool is None:
+        if pool is None or not runs:
             return {}, 0
         repeats = layout(model, setup.block_names)
         depths = SHALLOW if repeats is not None else (None,)
         jobs: list[Job] = [(strategy, ck, k) for strategy, ck in runs for k in depths]
         if pool.distrusted is None:
-            report = logger.debug if dist.is_initialized() else logger.info  # the CLI shows INFO
+            report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             report(f"sharing {len(jobs)} fake step(s) out with {pool.size} worker process(es)")
 
         def here(job: Job) -> tuple[Steps, dict[Any, str]]:
             return run_at_depth(model, setup, mesh, repeats, job), {}  # notes: this process's
 
-        made = pool.run_all(jobs, here, same=_same_steps, family=_family, kind=_kind)
+        made = pool.run_all(jobs, here, same=_same_steps, family=_family, kind=_family)
         found: dict[Run, dict[int | None, Steps | BaseException]] = {}
         for (strategy, ck, k), (steps, unmeasured) in made.made.items():
             merge_unmeasured(unmeasured)
@@ -104,20 +106,17 @@ class Shared:
             message = self._message()
             if message is not None:
                 self._pool = Pool(message, self._count, self._run_here)
-                self.size = self._count
         return self._pool
 
 
 def _family(job: Job) -> Run:
-    """A run's depths: once one fails, `simulate` makes the whole model instead."""
+    """A run's depths. Once one fails, `simulate` makes the whole model instead. And what a change
+    of the caller's may touch alike (`Pool`'s kind): each strategy runs code of its own (FSDP2's
+    wrapping with or without resharding, a 2-D mesh, offloading; DDP is simulated unwrapped), so
+    does checkpointing, and a change may touch any one of them (a patched `fully_shard` forcing
+    one resharding changed FULL_SHARD's bytes alone). A run's first depth is made here, and a
+    worker makes a run's other depths only once its own make of the first matched it."""
     return job[0], job[1]
-
-
-def _kind(job: Job) -> tuple[bool, bool]:
-    """What a change of the caller's may touch alike, each checked apart (`Pool`): FSDP2's
-    wrapping (a sharded strategy), checkpointing (every block checkpointed), or neither (the
-    model and the optimizer alone: DDP is simulated unwrapped)."""
-    return recipe(job[0]).sharded, job[1]
 
 
 def _same_steps(ours: tuple[Steps, Any], theirs: tuple[Steps, Any]) -> bool:

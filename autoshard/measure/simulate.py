@@ -22,8 +22,9 @@ What is derived instead of simulated again:
 - sharding degree: sharded parameters, gradients and optimizer state are rescaled from the degree
   simulated to the one planned (`estimate.shard_ratio`), so a 1024-rank job is simulated on 8.
 
-Where this machine's cores are idle, the runs of each round are shared out with worker processes
-(`measure.sharing`): each run gets the same bytes wherever it is made.
+Where this machine's cores are idle, a run's depths after its first may be made by worker
+processes (`measure.sharing`), once their own make of the first matched this process's to the
+byte.
 
 DDP is simulated unwrapped with every gradient allocated before the step and zeroed in place:
 with `gradient_as_bucket_view=True` the gradients are views of DDP's buckets, which live from
@@ -331,7 +332,7 @@ def simulate_all(
         # raised alike on every rank (the same torch and environment), so all fall back together
         return {}, f"estimates are analytic: no fake process group ({error})"[:300]
     try:
-        ahead, by_workers = workers.ahead(model, setup, mine, mesh) if workers else ({}, 0)
+        ahead, by_workers = workers.ahead(model, setup, mine, mesh, in_job) if workers else ({}, 0)
         for strategy, all_blocks in mine:
             report = logger.debug if in_job else logger.info  # the planner CLI shows INFO
             how = ", every block checkpointed" if all_blocks else ""
