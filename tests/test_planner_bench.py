@@ -46,34 +46,24 @@ def test_planner_reports_cold_warm_and_phases() -> None:
 
 def test_parallel_simulation_reports_the_same_plan_with_workers() -> None:
     """benchmarks/parallel_simulation.py: a plan without workers and with one, compared."""
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "parallel_simulation.py"),
-        "--cases",
-        "tiny_llama",
-        "--workers",
-        "1",
-    ]
-    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
-    assert code == 0 and not timed_out, output[-3000:]
+    output = _benchmark("parallel_simulation.py", "--cases", "tiny_llama", "--workers", "1")
     row = re.search(r"\| tiny_llama \| [\d.]+ \| [\d.]+ \| (\d+) \| (\w+) \|", output)
     assert row is not None and row[2] == "yes", output[-3000:]
 
 
 def test_depth_cost_counts_a_plan() -> None:
     """benchmarks/depth_cost.py: the fake steps and operators of one plan, with its choice."""
-    command = [
-        sys.executable,
-        str(REPO / "benchmarks" / "depth_cost.py"),
-        "--depths",
-        "16",
-        "--device-memory",
-        "1000GiB",
-    ]
-    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
-    assert code == 0 and not timed_out, output[-3000:]
+    output = _benchmark("depth_cost.py", "--depths", "16", "--device-memory", "1000GiB")
     row = re.search(r"\| 1000GiB \| 16 \| (\d+) \| ([\d,]+) \| 1\.00 \| (\w+), AC 0 \|", output)
     assert row is not None and int(row[1]) >= 3, output[-3000:]
+
+
+def _benchmark(script: str, *args: str) -> str:
+    """What benchmarks/`script` printed, run with `args`; fails the test unless it exits 0."""
+    command = [sys.executable, str(REPO / "benchmarks" / script), *args]
+    code, output, timed_out = run_tree(command, REPO, _env(), timeout=600)
+    assert code == 0 and not timed_out, output[-3000:]
+    return output
 
 
 def _env() -> dict[str, str]:

@@ -358,11 +358,16 @@ class _Scratch(nn.Module):
         return x * torch.ones(x.shape).to(x.dtype)
 
 
-def _differed(made: int) -> str:
-    return (
+def _caught(model: nn.Module, made: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a change this process made that a worker cannot see: the same simulations, `made`
+    steps by the worker, and a note saying why it made no more."""
+    alone, _, shared, shared_note = _shared_out(model, torch.randn(32, 16), monkeypatch)
+    assert shared == alone
+    differed = (
         f", {made} of the fake steps made by 1 worker process(es), the others here: a worker's "
         f"step differed from this process's"
     )
+    assert differed in shared_note, shared_note
 
 
 @simulation
@@ -390,9 +395,7 @@ def test_what_a_worker_cannot_see_leaves_every_step_here(monkeypatch: pytest.Mon
         return torch.cat([x, x * 2, x * 3]).sum(0)
 
     monkeypatch.setattr(_Scratch, "forward", wider)
-    alone, note, shared, shared_note = _shared_out(_Scratch(), torch.randn(32, 16), monkeypatch)
-    assert shared == alone
-    assert _differed(0) in shared_note, shared_note
+    _caught(_Scratch(), 0, monkeypatch)
 
 
 @simulation
@@ -404,11 +407,7 @@ def test_a_change_only_checkpointed_runs_see_is_caught_too(
     import autoshard.strategies.engines as engines
 
     monkeypatch.setattr(engines, "composable_checkpoint", lambda module: None)
-    alone, note, shared, shared_note = _shared_out(
-        MLP(width=32, depth=16), torch.randn(32, 16), monkeypatch
-    )
-    assert shared == alone
-    assert _differed(4) in shared_note, shared_note
+    _caught(MLP(width=32, depth=16), 4, monkeypatch)
 
 
 @simulation
@@ -424,11 +423,7 @@ def test_a_change_only_one_strategy_sees_is_caught_too(monkeypatch: pytest.Monke
         return original(module, **{**kwargs, "reshard_after_forward": False})
 
     monkeypatch.setattr(fsdp, "fully_shard", gathered)
-    alone, note, shared, shared_note = _shared_out(
-        MLP(width=32, depth=16), torch.randn(32, 16), monkeypatch
-    )
-    assert shared == alone
-    assert _differed(2) in shared_note, shared_note
+    _caught(MLP(width=32, depth=16), 2, monkeypatch)
 
 
 @simulation
