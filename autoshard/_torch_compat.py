@@ -140,6 +140,15 @@ SYMBOLS: dict[str, Symbol] = {
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
         "DTensor's shape propagation kept out of the simulated step's memory",
     ),
+    # Graceful where absent: the device alone decides (cuda, xpu, mtia), every type supported.
+    "_foreach_supported_types": Symbol(
+        "torch.optim.optimizer:_foreach_supported_types",
+        "simulating the optimizer step torch runs by default on the device trained on",
+    ),
+    "_get_foreach_kernels_supported_devices": Symbol(
+        "torch.utils._foreach_utils:_get_foreach_kernels_supported_devices",
+        "simulating the optimizer step torch runs by default on the device trained on",
+    ),
     # Graceful where absent: an OOM in the trial step under FSDP2 is then an error.
     "TrainingState": Symbol(
         "torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState",
@@ -254,6 +263,20 @@ def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
     """The `num_samples` a RandomSampler was built with (None: the whole dataset)."""
     value: int | None = sampler._num_samples
     return value
+
+
+def default_foreach(params: list[torch.Tensor], device_type: str) -> bool:
+    """Whether torch's optimizers take their foreach implementation, given neither `foreach` nor
+    `fused`, for `params` once they are on a device of `device_type`: a device with foreach
+    kernels, and every parameter of a type they accept (plain tensors, Parameters, and DTensors
+    once `torch.distributed.tensor` is imported): `_default_to_fused_or_foreach`, torch 2.11 to
+    2.15. (A fake tensor is not such a type: left to itself, a simulated step runs the loop.)"""
+    try:
+        devices = resolve("_get_foreach_kernels_supported_devices")()
+        types = tuple(resolve("_foreach_supported_types"))
+    except MissingTorchSymbol:
+        return device_type in ("cuda", "xpu", "mtia")
+    return device_type in devices and all(type(p) in types for p in params)
 
 
 def keep_children(parent: torch.nn.Module, count: int) -> None:

@@ -434,6 +434,39 @@ def test_the_optimizer_step_s_temporaries_are_what_its_implementation_allocates(
     assert step.temporaries == expected, (note, step)
 
 
+def _step_temporaries(strategy: Strategy, trains_on: str, **options: object) -> int:
+    """The simulated step's temporaries of `MLP` under `strategy` with `AdamW(**options)`, the
+    ranks training on `trains_on` (the fake tensors on CPU)."""
+    torch.manual_seed(0)
+    model = MLP(width=64, depth=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)  # type: ignore[arg-type]
+    names = [f"blocks.{i}" for i in range(3)]
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    cpu = torch.device("cpu")
+    setup = Setup(
+        names, torch.randn(32, 16), None, optimizer, None, cpu, trains_on=torch.device(trains_on)
+    )
+    runs, note = simulate_all(model, setup, (strategy,), stats, 2)
+    return combine(runs)[strategy].step.temporaries
+
+
+@pytest.mark.parametrize("trains_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_the_default_implementation_is_the_one_torch_runs_on_the_device_trained_on(
+    trains_on: str, strategy: Strategy
+) -> None:
+    """`AdamW()` with neither `foreach` nor `fused` runs foreach on CUDA (plain parameters and
+    DTensors alike) and the loop on CPU. torch does not count a fake tensor as foreach-capable,
+    so left to itself the simulated step ran the loop for a CUDA plan too, on a GPU host as on
+    a CPU one: the step's temporaries fell short by all the parameters (this rank's shard) less
+    two of one."""
+    foreach = _step_temporaries(strategy, trains_on, foreach=True)
+    loop = _step_temporaries(strategy, trains_on, foreach=False)
+    assert foreach > loop  # the two can be told apart here
+    expected = foreach if trains_on == "cuda" else loop
+    assert _step_temporaries(strategy, trains_on) == expected
+
+
 class _LossModuleInForward(nn.Module):
     """Builds its loss module inside forward, as transformers' BART and T5 do: the module is gone
     before backward, where torch's MemTracker warns about its hooks."""

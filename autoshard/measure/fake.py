@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import (
     TorchDispatchMode,
+    default_foreach,
     fake_kernel,
     fake_store,
     grouped_mm,
@@ -243,14 +244,41 @@ def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
 
 
 def fake_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, fake: nn.Module
+    optimizer: torch.optim.Optimizer, model: nn.Module, fake: nn.Module, device_type: str
 ) -> torch.optim.Optimizer:
-    """The same optimizer class and hyperparameters over the fake parameters (no state yet)."""
+    """The same optimizer class and hyperparameters over the fake parameters (no state yet),
+    running the implementation the real one runs on a device of `device_type` (`_implementation`).
+    """
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     fake_params = dict(fake.named_parameters(remove_duplicate=False))
     groups = []
     for group in optimizer.param_groups:
         params = [fake_params[names[id(p)]] for p in group["params"] if names[id(p)] in fake_params]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        options = {k: v for k, v in group.items() if k != "params"}
+        groups.append(
+            {**options, **_implementation(optimizer, group, device_type), "params": params}
+        )
     rebuilt: torch.optim.Optimizer = type(optimizer)([g for g in groups if g["params"]])  # type: ignore[call-arg]
     return rebuilt
+
+
+def _implementation(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], device_type: str
+) -> dict[str, bool]:
+    """`{"foreach": ...}` where the group leaves the choice to torch: what torch chooses for the
+    group's real parameters on a device of `device_type`. Left to torch on fake tensors, which
+    it does not count as foreach-capable, the simulated step ran the per-parameter loop where a
+    CUDA step runs foreach, whose intermediates for a whole group are alive at once (AdamW: one
+    fp32 copy of every parameter): the step's peak was underestimated by up to the parameters'
+    size, on a GPU host and on a CPU host planning for GPUs alike."""
+    if "foreach" not in group or group["foreach"] is not None:
+        return {}
+    if group.get("fused") or group.get("differentiable"):
+        return {}
+    trained = [p for p in group["params"] if p.requires_grad]
+    foreach = default_foreach(trained, device_type)
+    # Adam and AdamW keep the loop for a tensor learning rate without `capturable` (torch 2.11-2.15)
+    lr = group.get("lr")
+    if isinstance(optimizer, torch.optim.Adam) and isinstance(lr, torch.Tensor):
+        foreach = foreach and bool(group.get("capturable"))
+    return {"foreach": foreach}

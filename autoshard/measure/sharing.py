@@ -162,7 +162,8 @@ def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:
     }
     meta.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     copy, _ = shallow_copy(model, setup.block_names, setup.block_names, meta)
-    optimizer = fake_optimizer(setup.optimizer, model, copy)
+    # its choice of implementation made here, on the real parameters' types
+    optimizer = fake_optimizer(setup.optimizer, model, copy, (setup.trains_on or setup.device).type)
     return copy, replace(setup, optimizer=optimizer, batch=tree_map(_View.of, setup.batch))
 
 

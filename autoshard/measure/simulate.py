@@ -262,7 +262,8 @@ def wrapped_copy(
                 checkpoint_block(fake.get_submodule(name))
         if recipe(strategy).sharded:
             shard_module(fake, names, mesh, strategy, setup.dtype)
-        return fake, fake_optimizer(setup.optimizer, model, fake), batch
+        device_type = (setup.trains_on or setup.device).type
+        return fake, fake_optimizer(setup.optimizer, model, fake, device_type), batch
 
 
 # One simulation: a strategy, and whether every block is checkpointed (forward and backward only)
