@@ -140,6 +140,19 @@ SYMBOLS: dict[str, Symbol] = {
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
         "DTensor's shape propagation kept out of the simulated step's memory",
     ),
+    # Graceful where absent: a meta model whose fake trace fails is taken as one the batch does
+    # not fit, as before.
+    **{
+        name: Symbol(
+            f"torch._subclasses.fake_tensor:{name}",
+            "telling a forward that needs real values from a batch that does not fit",
+        )
+        for name in (
+            "DataDependentOutputException",
+            "DynamicOutputShapeException",
+            "UnsupportedOperatorException",
+        )
+    },
     # Graceful where absent: the device alone decides (cuda, xpu, mtia), every type supported.
     "_foreach_supported_types": Symbol(
         "torch.optim.optimizer:_foreach_supported_types",
@@ -263,6 +276,23 @@ def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
     """The `num_samples` a RandomSampler was built with (None: the whole dataset)."""
     value: int | None = sampler._num_samples
     return value
+
+
+def needs_real_values(error: BaseException) -> bool:
+    """Whether a fake-tensor run failed because fake tensors cannot give what the forward asks
+    for: a value read back (`.item()`, a Python condition on a tensor), an output whose shape
+    depends on values (`nonzero`), or an operator with no fake kernel."""
+    kinds = []
+    for name in (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+    ):
+        try:
+            kinds.append(resolve(name))
+        except MissingTorchSymbol:
+            continue
+    return isinstance(error, tuple(kinds))
 
 
 def default_foreach(params: list[torch.Tensor], device_type: str) -> bool:

@@ -404,6 +404,44 @@ def test_a_batch_whose_shapes_do_not_fit_a_meta_model_is_refused_by_plan() -> No
     assert "(4, 9) float32" in str(info.value)
 
 
+class ReadsBack(nn.Module):
+    """A forward that branches on a value of its tensors: fake and meta tensors have none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_a_meta_model_whose_forward_reads_values_is_not_blamed_on_the_batch() -> None:
+    """On meta, the forward run to tell a batch that does not fit from what fake tensors cannot
+    run fails for the same reason as the fake trace: it says nothing of the batch. The error
+    says what is wrong and what to do (transformers' Wav2Vec2 in training mode computes its
+    time masks in numpy: planned on meta it was refused as a batch that did not fit)."""
+    with torch.device("meta"):
+        model = ReadsBack()
+    batch = torch.randn(4, 8, device="meta")
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="cannot run without real tensors") as info:
+        autoshard.plan(model, optimizer, batch, world_size=2, device_memory="1GiB")
+    message = str(info.value)
+    assert "does not fit" not in message and "build the model on the CPU" in message
+    assert "(4, 8) float32" in message
+    # built on the CPU, as the message says, it plans: its activations measured on real rows
+    model = ReadsBack()
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.randn(4, 8),
+        world_size=2,
+        device_memory="1GiB",
+    )
+    assert any("measured on real tensors" in r for r in plan.reasons), plan.reasons
+
+
 def test_the_simulation_leaves_no_rank_prefix_on_later_tracebacks() -> None:
     # init_process_group, even of the fake group the simulation uses, installs an excepthook
     # that prefixes every traceback line of the process with "[rank0]:"

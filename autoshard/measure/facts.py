@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import LossFn, batch_bytes, forward_error, tensors_in
-from autoshard._torch_compat import cpu_has_native_bf16
+from autoshard._torch_compat import cpu_has_native_bf16, needs_real_values
 from autoshard._units import human
 from autoshard._world import Memory, RankReport
 from autoshard.decide.candidates import strategies_for
@@ -150,6 +150,9 @@ def _measure(
         return Measured(None, "", _not_callable(error))
     except Exception as error:  # data-dependent control flow and the like cannot be traced
         real = forward_error(model, batch, dtype)
+        if real is not None and _on_meta(model, batch) and needs_real_values(error):
+            # on meta the "real" forward cannot give values either: it says nothing of the batch
+            return Measured(None, "", _needs_real_values(error, real, batch))
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
         with autograd_on():
@@ -209,15 +212,38 @@ def _not_callable(error: Exception) -> str:
     )
 
 
-def _does_not_fit(error: Exception, batch: Any) -> str:
+def _on_meta(model: nn.Module, batch: Any) -> bool:
+    return any(t.device.type == "meta" for t in [*model.parameters(), *tensors_in(batch)])
+
+
+def _first_line(error: BaseException) -> str:
     text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    shapes = ", ".join(
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _shapes(batch: Any) -> str:
+    return ", ".join(
         f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(batch)
     )
+
+
+def _needs_real_values(fake_error: Exception, meta_error: Exception, batch: Any) -> str:
+    return (
+        f"the model is on the meta device and its forward cannot run without real tensors: on "
+        f"fake tensors it raised {_first_line(fake_error)[:200]}, and on meta "
+        f"{_first_line(meta_error)[:200]}. A forward that reads values back from its tensors "
+        f"(.item(), a Python condition on a tensor, nonzero, numpy) or runs an operator with no "
+        f"fake kernel needs real ones: build the model on the CPU, and autoshard measures its "
+        f"activations on a few real rows of the batch, whatever device is planned for (the "
+        f"batch holds tensors of shapes {_shapes(batch)}; if they do not fit the model, that "
+        f"fails too, and says so)"
+    )
+
+
+def _does_not_fit(error: Exception, batch: Any) -> str:
     return (
         f"example_batch does not fit the model: the model's forward raises on it "
-        f"({type(error).__name__}: {first}); the batch holds tensors of shapes {shapes}: check "
+        f"({_first_line(error)}); the batch holds tensors of shapes {_shapes(batch)}: check "
         f"them against what the model expects (a tuple/list is passed as positional arguments, "
         f"a Mapping as keyword ones)"
     )
@@ -236,8 +262,7 @@ def _measured_for_real(
     and a warning: the estimate then leaves activations out."""
     failed = f"the example batch could not be traced on fake tensors ({type(error).__name__}: "
     failed += f"{error})"[:200]
-    on_meta = any(t.device.type == "meta" for t in [*model.parameters(), *tensors_in(batch)])
-    if not on_meta:
+    if not _on_meta(model, batch):
         try:
             profile, how = profile_scaled(model, blocks, batch, loss_fn, dtype)
         except Exception as real_error:  # noqa: BLE001 - reported below, as for the fake trace
