@@ -10,6 +10,8 @@ reduce-scattered; ZeRO-2: every unit stays gathered), DDP's whole-size gradient 
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 from _torch_release import ZERO2_PEAK_HOLDS_AN_EXTRA_UNIT
@@ -17,7 +19,15 @@ from torch import nn
 
 import autoshard
 from autoshard.cli.demo import GPT, GPTConfig
-from autoshard.decide.estimate import Simulated, model_stats, shard_bytes
+from autoshard.decide.estimate import (
+    Phase,
+    Setting,
+    Simulated,
+    from_simulation,
+    model_stats,
+    shard_bytes,
+    shard_ratio,
+)
 from autoshard.measure.fake import unavailable
 from autoshard.measure.simulate import MAX_SIMULATED_DEGREE, Setup, combine, simulate_all
 from autoshard.measure.simulated import _first_round
@@ -465,6 +475,36 @@ def test_the_default_implementation_is_the_one_torch_runs_on_the_device_trained_
     assert foreach > loop  # the two can be told apart here
     expected = foreach if trains_on == "cuda" else loop
     assert _step_temporaries(strategy, trains_on) == expected
+
+
+_PHASE_TERMS = tuple(f.name for f in fields(Phase))
+
+
+@pytest.mark.parametrize("strategy", [Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD], ids=str)
+def test_the_step_s_temporaries_scale_with_the_shard_to_the_world_planned(
+    strategy: Strategy,
+) -> None:
+    """Planned for 64 ranks and simulated on MAX_SIMULATED_DEGREE, a foreach step's temporaries
+    are one copy of the shards rank 0 holds at 64 ranks, as its parameters are. Left at the
+    simulated degree, a 405B-shaped model planned for 16,384 GPUs carried 188 GiB of them per
+    rank (an eighth of its fp32 parameters)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(4)))  # 128-row weights and biases
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    stats = model_stats(model, [], 0, "", 0)
+    setup = Setup([], torch.randn(4, 128), None, optimizer, None, torch.device("cpu"))
+    runs, note = simulate_all(model, setup, (strategy,), stats, 64)
+    simulated = combine(runs)[strategy]
+    assert simulated.degree < 64, note
+    # rank 0's shard of each parameter at 64 ranks: 2 of the 128 rows of each
+    shard = _bytes(model.parameters()) // 64
+    step = simulated.scaled(shard_ratio(stats, simulated.degree, 64)).step
+    assert step.temporaries == shard == step.params
+    # the candidate's estimate, with the step its peak (the forward/backward phase emptied)
+    empty = replace(simulated.backward, **dict.fromkeys(_PHASE_TERMS, 0))
+    setting = Setting(strategy, 0, 64, 4, 4, "cpu", cuda_context_pending=False)
+    footprint = from_simulation(stats, None, setting, replace(simulated, backward=empty))
+    assert footprint.temporaries == shard, footprint
 
 
 class _LossModuleInForward(nn.Module):

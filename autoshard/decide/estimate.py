@@ -143,13 +143,15 @@ class Phase:
     comm_buffers: int  # FSDP2's all-gather outputs, unsharded parameters and gradients
     temporaries: int
 
-    def scaled(self, ratio: float) -> Phase:
-        """The sharded terms at another sharding degree (`shard_ratio`)."""
+    def scaled(self, ratio: float, *, temporaries: bool = False) -> Phase:
+        """The sharded terms at another sharding degree (`shard_ratio`); with `temporaries`, the
+        temporaries too (the optimizer step's, made over this rank's shards)."""
         return replace(
             self,
             params=round(self.params * ratio),
             grads=round(self.grads * ratio),
             optimizer_state=round(self.optimizer_state * ratio),
+            temporaries=round(self.temporaries * ratio) if temporaries else self.temporaries,
         )
 
 
@@ -163,6 +165,19 @@ class Simulated:
     degree: int
     # the forward/backward peak with every block checkpointed, where that was simulated too
     checkpointed_backward: Phase | None = None
+
+    def scaled(self, ratio: float) -> Simulated:
+        """The sharded terms at another shard size (`shard_ratio`): the parameters, gradients
+        and optimizer state of both phases, and the optimizer step's temporaries, which it makes
+        over this rank's shards (a foreach step one copy of them: left unscaled, a 16,384-rank
+        plan simulated on 8 carried an eighth of a 405B model's parameters as temporaries)."""
+        every = self.checkpointed_backward
+        return replace(
+            self,
+            backward=self.backward.scaled(ratio),
+            step=self.step.scaled(ratio, temporaries=True),
+            checkpointed_backward=every.scaled(ratio) if every is not None else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -208,8 +223,8 @@ def from_simulation(
     """
     degree = s.shard_degree or s.world_size
     ratio = shard_ratio(stats, sim.degree, degree) if recipe(s.strategy).sharded else 1.0
-    backward, step = sim.backward.scaled(ratio), sim.step.scaled(ratio)
-    every = sim.checkpointed_backward.scaled(ratio) if sim.checkpointed_backward else None
+    at_degree = sim.scaled(ratio)
+    backward, step, every = at_degree.backward, at_degree.step, at_degree.checkpointed_backward
     if (
         every is not None
         and profile is not None

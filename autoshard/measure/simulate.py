@@ -516,7 +516,4 @@ def _as_rank0(simulated: Simulated, stats: ModelStats, strategy: Strategy, rank:
     own = shard_bytes(stats, simulated.degree, rank)
     if own == 0:
         return simulated
-    ratio = shard_bytes(stats, simulated.degree, 0) / own
-    return replace(
-        simulated, backward=simulated.backward.scaled(ratio), step=simulated.step.scaled(ratio)
-    )
+    return simulated.scaled(shard_bytes(stats, simulated.degree, 0) / own)
