@@ -200,7 +200,7 @@ class LoRALinear(nn.Module):
 def build_lora(per_rank_batch: int, *, rank_r: int = 16, **kw: Any) -> ZooModel:
     """The `gqa` decoder frozen, adapters of rank `rank_r` on every attention projection."""
     device = kw.pop("device", "cpu")
-    base = build_decoder(per_rank_batch, **kw)
+    base = build_decoder(per_rank_batch, device=device, **kw)
     model = base.model.requires_grad_(False)
     for block in model.blocks:
         for name in ("wq", "wk", "wv", "wo"):

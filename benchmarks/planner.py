@@ -73,6 +73,26 @@ def llama_1b(batch_size: int = 4, seq_len: int = 2048) -> tuple[nn.Module, objec
     return model, optimizer, (tokens[:, :-1], tokens[:, 1:])
 
 
+def llama_405b(batch_size: int = 1, seq_len: int = 8192) -> tuple[nn.Module, object, object]:
+    """Llama-3.1-405B's shape (issue 24's 405B row): 126 blocks of width 16384, 128 heads over
+    8 key/value heads, SwiGLU width 53248, vocabulary 128256 (the zoo's embeddings are tied,
+    Llama's are not: 2.1B parameters fewer), with AdamW and one sequence of 8192 tokens."""
+    import torch
+
+    model = LlamaLM(
+        vocab_size=128256,
+        width=16384,
+        depth=126,
+        heads=128,
+        kv_heads=8,
+        seq_len=seq_len,
+        hidden=53248,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.zeros(batch_size, seq_len + 1, dtype=torch.long)
+    return model, optimizer, (tokens[:, :-1], tokens[:, 1:])
+
+
 def tiny_llama(batch_size: int = 2, seq_len: int = 32) -> tuple[nn.Module, object, object]:
     """A Llama-style model of 16 blocks at width 64: the benchmark's code paths in seconds
     (its smoke test), the blocks enough to be simulated shallow and extended."""

@@ -297,10 +297,18 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     def __init__(
-        self, vocab_size: int, width: int, depth: int, heads: int, kv_heads: int, seq_len: int
+        self,
+        vocab_size: int,
+        width: int,
+        depth: int,
+        heads: int,
+        kv_heads: int,
+        seq_len: int,
+        hidden: int | None = None,
     ) -> None:
         super().__init__()
-        hidden = 32 * -(-(8 * width // 3) // 32)  # Llama's 8/3 x width, rounded up to 32
+        if hidden is None:
+            hidden = 32 * -(-(8 * width // 3) // 32)  # Llama's 8/3 x width, rounded up to 32
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(
             LlamaBlock(width, heads, kv_heads, hidden) for _ in range(depth)

@@ -58,6 +58,17 @@ def test_depth_cost_counts_a_plan() -> None:
     assert row is not None and int(row[1]) >= 3, output[-3000:]
 
 
+def test_prepare_cost_counts_the_decision_as_prepare_makes_it() -> None:
+    """benchmarks/prepare_cost.py: the trace and the simulated runs of one model at world 1."""
+    output = _benchmark("prepare_cost.py", "--dry-run", "--models", "enc_dec", "--worlds", "1")
+    row = re.search(
+        r"\| enc_dec \| 1 \| (\d+) \| ([\d,]+) \| ([\d,]+) \| [\d.]+ \| [\d.]+ \| (\w+), AC", output
+    )
+    assert row is not None, output[-3000:]
+    # the trace and at least one simulated run; prim.device is part of the operators, not all
+    assert int(row[1]) >= 2 and 0 < int(row[3].replace(",", "")) < int(row[2].replace(",", ""))
+
+
 def _benchmark(script: str, *args: str) -> str:
     """What benchmarks/`script` printed, run with `args`; fails the test unless it exits 0."""
     command = [sys.executable, str(REPO / "benchmarks" / script), *args]
