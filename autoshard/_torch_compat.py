@@ -295,18 +295,22 @@ def needs_real_values(error: BaseException) -> bool:
     return isinstance(error, tuple(kinds))
 
 
-def default_foreach(params: list[torch.Tensor], device_type: str) -> bool:
+def default_foreach(params: list[torch.Tensor], device_type: str, sharded: bool = False) -> bool:
     """Whether torch's optimizers take their foreach implementation, given neither `foreach` nor
-    `fused`, for `params` once they are on a device of `device_type`: a device with foreach
-    kernels, and every parameter of a type they accept (plain tensors, Parameters, and DTensors
-    once `torch.distributed.tensor` is imported): `_default_to_fused_or_foreach`, torch 2.11 to
-    2.15. (A fake tensor is not such a type: left to itself, a simulated step runs the loop.)"""
+    `fused`, for `params` once they are on a device of `device_type`, as DTensors where `sharded`
+    (FSDP2 makes every parameter one): a device with foreach kernels, and every parameter of a
+    type they accept (plain tensors, Parameters, and DTensors once `torch.distributed.tensor` is
+    imported): `_default_to_fused_or_foreach`, torch 2.11 to 2.15. (A fake tensor is not such a
+    type: left to itself, a simulated step runs the loop.)"""
+    from torch.distributed.tensor import DTensor
+
     try:
         devices = resolve("_get_foreach_kernels_supported_devices")()
         types = tuple(resolve("_foreach_supported_types"))
     except MissingTorchSymbol:
         return device_type in ("cuda", "xpu", "mtia")
-    return device_type in devices and all(type(p) in types for p in params)
+    kinds = [DTensor] if sharded else [type(p) for p in params]
+    return device_type in devices and all(kind in types for kind in kinds)
 
 
 def keep_children(parent: torch.nn.Module, count: int) -> None:

@@ -220,6 +220,20 @@ def test_an_optimizer_setting_renames_the_runs_only(kept: Path) -> None:
     assert foreach[0] == trace and foreach[1] != run
 
 
+class _OwnParameter(torch.nn.Parameter):
+    pass
+
+
+def test_a_parameter_of_another_class_renames_the_runs(kept: Path) -> None:
+    """torch's optimizers step a Parameter subclass another way (not foreach on CUDA)."""
+    model = Net()
+    before = _digests(model, optimizer=torch.optim.AdamW(model.parameters()))
+    model = Net()
+    model.embed.weight = _OwnParameter(model.embed.weight.detach())
+    after = _digests(model, optimizer=torch.optim.AdamW(model.parameters()))
+    assert after[1] != before[1]
+
+
 def test_an_edit_to_the_models_source_renames_it(
     kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

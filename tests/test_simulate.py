@@ -25,6 +25,7 @@ from autoshard.decide.estimate import (
     Simulated,
     from_simulation,
     model_stats,
+    per_parameter_ratio,
     shard_bytes,
     shard_ratio,
 )
@@ -444,11 +445,23 @@ def test_the_optimizer_step_s_temporaries_are_what_its_implementation_allocates(
     assert step.temporaries == expected, (note, step)
 
 
-def _step_temporaries(strategy: Strategy, trains_on: str, **options: object) -> int:
+class _OwnParameter(nn.Parameter):
+    """A Parameter subclass (as some libraries' weights are): torch's optimizers do not take
+    foreach for it unless FSDP2 has made it a DTensor."""
+
+
+def _step_temporaries(
+    strategy: Strategy, trains_on: str, subclass: bool = False, **options: object
+) -> int:
     """The simulated step's temporaries of `MLP` under `strategy` with `AdamW(**options)`, the
-    ranks training on `trains_on` (the fake tensors on CPU)."""
+    ranks training on `trains_on` (the fake tensors on CPU); with `subclass`, its weights of
+    `_OwnParameter`."""
     torch.manual_seed(0)
     model = MLP(width=64, depth=3)
+    if subclass:
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = _OwnParameter(module.weight.detach())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **options)  # type: ignore[arg-type]
     names = [f"blocks.{i}" for i in range(3)]
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
@@ -477,6 +490,87 @@ def test_the_default_implementation_is_the_one_torch_runs_on_the_device_trained_
     assert _step_temporaries(strategy, trains_on) == expected
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_parameters_of_another_class_take_the_implementation_torch_gives_them(
+    strategy: Strategy,
+) -> None:
+    """Weights of a Parameter subclass: on CUDA torch runs the loop for them unwrapped (not a
+    type it lists), foreach once FSDP2 has made them DTensors (a type it lists)."""
+    sharded = strategy != Strategy.DDP
+    expected = _step_temporaries(strategy, "cuda", foreach=sharded)
+    assert _step_temporaries(strategy, "cuda", foreach=not sharded) != expected
+    assert _step_temporaries(strategy, "cuda", subclass=True) == expected
+
+
+def test_an_explicit_fused_false_keeps_torch_s_loop() -> None:
+    """`AdamW(fused=False)`: torch takes its default only where neither `foreach` nor `fused` is
+    given, so on CUDA it runs the loop."""
+    loop = _step_temporaries(Strategy.DDP, "cuda", foreach=False)
+    assert _step_temporaries(Strategy.DDP, "cuda", foreach=True) != loop
+    assert _step_temporaries(Strategy.DDP, "cuda", fused=False) == loop
+
+
+def test_optimizers_with_their_own_default_are_left_to_it() -> None:
+    """Only torch's own optimizers with their own step are given torch's choice: Adafactor runs
+    the loop by default, and a subclass's step may do anything."""
+    from autoshard.measure.fake import fake_optimizer
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            return super().step(closure)
+
+    model = MLP(width=8, depth=1)
+    for optimizer in (
+        OwnStep(model.parameters()),
+        torch.optim.Adafactor(model.parameters()),
+        torch.optim.AdamW(model.parameters()),
+    ):
+        rebuilt = fake_optimizer(optimizer, model, model, "cuda")
+        chosen = {g["foreach"] for g in rebuilt.param_groups}
+        assert chosen == ({True} if type(optimizer) is torch.optim.AdamW else {None}), optimizer
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+def test_the_step_s_temporaries_rescaled_never_fall_short(foreach: bool) -> None:
+    """Simulated on 2 ranks and rescaled to 8, against a simulation on 8. Experts held in one
+    tensor of 2 rows keep their shard from 2 ranks to 8 while the other parameters shrink: a
+    foreach step's temporaries (a copy of every shard) rescale exactly with the shards, a loop's
+    (copies of one parameter's at a time) not, and scaling them by the ratio of all shards fell
+    25% short."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.Parameter(torch.randn(2, 64, 256))
+            self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return torch.einsum("bd,edf->bf", x, self.experts)
+
+    torch.manual_seed(0)
+    model = Experts()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    stats = model_stats(model, [], 0, "", 0)
+    setup = Setup([], torch.randn(4, 64), None, optimizer, None, torch.device("cpu"))
+    at = {}
+    for world in (2, 8):
+        runs, note = simulate_all(model, setup, (Strategy.FULL_SHARD,), stats, world)
+        at[world] = combine(runs)[Strategy.FULL_SHARD]
+        assert at[world].degree == world, note
+    scaled = (
+        at[2]
+        .scaled(shard_ratio(stats, 2, 8), per_parameter_ratio(stats, (2, 0), (8, 0)))
+        .step.temporaries
+    )
+    direct = at[8].step.temporaries
+    if foreach:
+        assert scaled == direct
+    else:
+        assert direct <= scaled <= 2 * direct, (scaled, direct)
+
+
 _PHASE_TERMS = tuple(f.name for f in fields(Phase))
 
 
@@ -498,7 +592,8 @@ def test_the_step_s_temporaries_scale_with_the_shard_to_the_world_planned(
     assert simulated.degree < 64, note
     # rank 0's shard of each parameter at 64 ranks: 2 of the 128 rows of each
     shard = _bytes(model.parameters()) // 64
-    step = simulated.scaled(shard_ratio(stats, simulated.degree, 64)).step
+    ratio = shard_ratio(stats, simulated.degree, 64)
+    step = simulated.scaled(ratio, per_parameter_ratio(stats, (simulated.degree, 0), (64, 0))).step
     assert step.temporaries == shard == step.params
     # the candidate's estimate, with the step its peak (the forward/backward phase emptied)
     empty = replace(simulated.backward, **dict.fromkeys(_PHASE_TERMS, 0))

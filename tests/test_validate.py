@@ -425,11 +425,17 @@ def test_a_meta_model_whose_forward_reads_values_is_not_blamed_on_the_batch() ->
         model = ReadsBack()
     batch = torch.randn(4, 8, device="meta")
     optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="cannot run without real tensors") as info:
+    with pytest.raises(
+        ValueError, match="the model is on the meta device, where its forward"
+    ) as info:
         autoshard.plan(model, optimizer, batch, world_size=2, device_memory="1GiB")
     message = str(info.value)
-    assert "does not fit" not in message and "build the model on the CPU" in message
+    assert (
+        "which needs real values" in message
+        and "build the model and its batch on the CPU" in message
+    )
     assert "(4, 8) float32" in message
+    assert not message.startswith("example_batch does not fit the model"), message
     # built on the CPU, as the message says, it plans: its activations measured on real rows
     model = ReadsBack()
     plan = autoshard.plan(

@@ -103,6 +103,35 @@ def shard_bytes(stats: ModelStats, degree: int, rank: int = 0) -> int:
     return total
 
 
+def _shards(stats: ModelStats, degree: int, rank: int) -> list[int]:
+    """Bytes of `rank`'s FSDP2 shard of each trainable parameter (`shard_bytes`)."""
+    sizes = []
+    for rows, per_row, size in stats.grad_rows:
+        chunk = -(-rows // degree)
+        sizes.append(max(0, min(chunk, rows - rank * chunk)) * per_row * size)
+    return sizes
+
+
+def per_parameter_ratio(
+    stats: ModelStats, simulated: tuple[int, int], planned: tuple[int, int]
+) -> float:
+    """At most how much a per-parameter optimizer step's temporaries grow from one rank's shards
+    (degree, rank) to another's. That step holds a few copies of one or two parameters' shards
+    at a time, not of all (foreach's), so the ratio of all shards is not a bound: a parameter of
+    fewer rows than ranks (experts stacked in one tensor) keeps its shard while the others
+    shrink. The bound: the largest growth of any one trainable parameter's shard; where the
+    first rank holds none of a parameter the second holds, twice the ratio of their largest
+    shards (the step holds between two and three copies of one parameter, for Adam's two
+    intermediates and the one before them; one and two for one intermediate)."""
+    before, after = _shards(stats, *simulated), _shards(stats, *planned)
+    if not before or max(before) == 0:
+        return 1.0
+    ratio = max((b / a for a, b in zip(before, after, strict=True) if a > 0), default=1.0)
+    if any(a == 0 < b for a, b in zip(before, after, strict=True)):
+        ratio = max(ratio, 2 * max(after) / max(before))
+    return ratio
+
+
 def shard_ratio(stats: ModelStats, simulated: int, planned: int) -> float:
     """How much larger a rank's shard is at `planned` ranks than at `simulated` ranks."""
     if simulated == planned or not stats.param_rows:
@@ -143,15 +172,13 @@ class Phase:
     comm_buffers: int  # FSDP2's all-gather outputs, unsharded parameters and gradients
     temporaries: int
 
-    def scaled(self, ratio: float, *, temporaries: bool = False) -> Phase:
-        """The sharded terms at another sharding degree (`shard_ratio`); with `temporaries`, the
-        temporaries too (the optimizer step's, made over this rank's shards)."""
+    def scaled(self, ratio: float) -> Phase:
+        """The sharded terms at another sharding degree (`shard_ratio`)."""
         return replace(
             self,
             params=round(self.params * ratio),
             grads=round(self.grads * ratio),
             optimizer_state=round(self.optimizer_state * ratio),
-            temporaries=round(self.temporaries * ratio) if temporaries else self.temporaries,
         )
 
 
@@ -165,17 +192,25 @@ class Simulated:
     degree: int
     # the forward/backward peak with every block checkpointed, where that was simulated too
     checkpointed_backward: Phase | None = None
+    # some group's optimizer step ran parameter by parameter (not foreach, not fused)
+    per_parameter_step: bool = False
 
-    def scaled(self, ratio: float) -> Simulated:
-        """The sharded terms at another shard size (`shard_ratio`): the parameters, gradients
-        and optimizer state of both phases, and the optimizer step's temporaries, which it makes
-        over this rank's shards (a foreach step one copy of them: left unscaled, a 16,384-rank
-        plan simulated on 8 carried an eighth of a 405B model's parameters as temporaries)."""
+    def scaled(self, ratio: float, per_parameter: float) -> Simulated:
+        """The sharded terms at another shard size: the parameters, gradients and optimizer
+        state of both phases by `ratio` (`shard_ratio`), and the optimizer step's temporaries,
+        which it makes over this rank's shards: a foreach step one copy of them all (`ratio`;
+        left unscaled, a 16,384-rank plan simulated on 8 carried an eighth of a 405B model's
+        parameters as temporaries), a per-parameter step copies of one at a time
+        (`per_parameter`, `per_parameter_ratio`)."""
         every = self.checkpointed_backward
+        temporaries = per_parameter if self.per_parameter_step else ratio
         return replace(
             self,
             backward=self.backward.scaled(ratio),
-            step=self.step.scaled(ratio, temporaries=True),
+            step=replace(
+                self.step.scaled(ratio),
+                temporaries=round(self.step.temporaries * temporaries),
+            ),
             checkpointed_backward=every.scaled(ratio) if every is not None else None,
         )
 
@@ -222,8 +257,10 @@ def from_simulation(
     context, NCCL's buffers and the caching allocator's rounding (ALLOCATOR_MARGIN of tensors).
     """
     degree = s.shard_degree or s.world_size
-    ratio = shard_ratio(stats, sim.degree, degree) if recipe(s.strategy).sharded else 1.0
-    at_degree = sim.scaled(ratio)
+    sharded = recipe(s.strategy).sharded
+    ratio = shard_ratio(stats, sim.degree, degree) if sharded else 1.0
+    per_parameter = per_parameter_ratio(stats, (sim.degree, 0), (degree, 0)) if sharded else 1.0
+    at_degree = sim.scaled(ratio, per_parameter)
     backward, step, every = at_degree.backward, at_degree.step, at_degree.checkpointed_backward
     if (
         every is not None

@@ -207,7 +207,9 @@ def describe_model(model: nn.Module) -> list[Any]:
 def _describe_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     layout = tensor.stride() if tensor.layout == torch.strided else str(tensor.layout)
     shape = tuple(tensor.shape)
-    return shape, layout, str(tensor.dtype), tensor.device.type, tensor.requires_grad
+    # its class too: torch's optimizers step a Parameter subclass otherwise (`fake._implementation`)
+    kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+    return shape, layout, str(tensor.dtype), tensor.device.type, tensor.requires_grad, kind
 
 
 def _describe_module(
@@ -404,6 +406,7 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
         step=phase(value["step"]),
         degree=_int(value["degree"]),
         checkpointed_backward=None if checkpointed is None else phase(checkpointed),
+        per_parameter_step=bool(value["per_parameter_step"]),
     )
 
 

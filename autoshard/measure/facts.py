@@ -152,7 +152,7 @@ def _measure(
         real = forward_error(model, batch, dtype)
         if real is not None and _on_meta(model, batch) and needs_real_values(error):
             # on meta the "real" forward cannot give values either: it says nothing of the batch
-            return Measured(None, "", _needs_real_values(error, real, batch))
+            return Measured(None, "", _needs_real_values(model, error, real, batch))
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
         with autograd_on():
@@ -227,16 +227,20 @@ def _shapes(batch: Any) -> str:
     )
 
 
-def _needs_real_values(fake_error: Exception, meta_error: Exception, batch: Any) -> str:
+def _needs_real_values(
+    model: nn.Module, fake_error: Exception, meta_error: Exception, batch: Any
+) -> str:
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    where = "the model is on the meta device" if on_meta else "example_batch is on the meta device"
     return (
-        f"the model is on the meta device and its forward cannot run without real tensors: on "
-        f"fake tensors it raised {_first_line(fake_error)[:200]}, and on meta "
-        f"{_first_line(meta_error)[:200]}. A forward that reads values back from its tensors "
-        f"(.item(), a Python condition on a tensor, nonzero, numpy) or runs an operator with no "
-        f"fake kernel needs real ones: build the model on the CPU, and autoshard measures its "
-        f"activations on a few real rows of the batch, whatever device is planned for (the "
-        f"batch holds tensors of shapes {_shapes(batch)}; if they do not fit the model, that "
-        f"fails too, and says so)"
+        f"{where}, where its forward cannot be checked: on fake tensors it raised "
+        f"{_first_line(fake_error)[:200].rstrip('.')}, which needs real values (a value read back: "
+        f".item(), a Python condition on a tensor, numpy; an output shaped by values: nonzero; "
+        f"an operator with no fake kernel), and run on meta it raised "
+        f"{_first_line(meta_error)[:200].rstrip('.')}. If that is about shapes, example_batch "
+        f"does not fit the model (it holds tensors of shapes {_shapes(batch)}); otherwise give "
+        f"real tensors: build the model and its batch on the CPU, and autoshard measures the "
+        f"activations on a few real rows of the batch, whatever device is planned for"
     )
 
 

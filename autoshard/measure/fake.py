@@ -244,41 +244,84 @@ def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
 
 
 def fake_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, fake: nn.Module, device_type: str
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    fake: nn.Module,
+    device_type: str | None,
+    sharded: bool = False,
 ) -> torch.optim.Optimizer:
-    """The same optimizer class and hyperparameters over the fake parameters (no state yet),
-    running the implementation the real one runs on a device of `device_type` (`_implementation`).
-    """
+    """The same optimizer class and hyperparameters over the fake parameters (no state yet). With
+    `device_type`, running the implementation the real one runs on a device of that type, its
+    parameters sharded by FSDP2 or not (`_implementation`); None leaves the choice to torch."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     fake_params = dict(fake.named_parameters(remove_duplicate=False))
     groups = []
     for group in optimizer.param_groups:
         params = [fake_params[names[id(p)]] for p in group["params"] if names[id(p)] in fake_params]
         options = {k: v for k, v in group.items() if k != "params"}
-        groups.append(
-            {**options, **_implementation(optimizer, group, device_type), "params": params}
-        )
+        if device_type is not None:
+            options.update(_implementation(optimizer, group, device_type, sharded))
+        groups.append({**options, "params": params})
     rebuilt: torch.optim.Optimizer = type(optimizer)([g for g in groups if g["params"]])  # type: ignore[call-arg]
     return rebuilt
 
 
+# torch's optimizers whose step, given neither `foreach` nor `fused`, takes foreach where it can
+# (`_default_to_fused_or_foreach`, torch 2.11-2.15). Others keep their own default (Adafactor,
+# and many outside torch, run the loop).
+_DEFAULTS_TO_FOREACH = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "RMSprop",
+        "NAdam",
+        "RAdam",
+        "Adamax",
+        "ASGD",
+        "Rprop",
+        "Adadelta",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
 def _implementation(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], device_type: str
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], device_type: str, sharded: bool
 ) -> dict[str, bool]:
     """`{"foreach": ...}` where the group leaves the choice to torch: what torch chooses for the
-    group's real parameters on a device of `device_type`. Left to torch on fake tensors, which
-    it does not count as foreach-capable, the simulated step ran the per-parameter loop where a
-    CUDA step runs foreach, whose intermediates for a whole group are alive at once (AdamW: one
-    fp32 copy of every parameter): the step's peak was underestimated by up to the parameters'
-    size, on a GPU host and on a CPU host planning for GPUs alike."""
+    group's real parameters on a device of `device_type` (DTensors where FSDP2 shards them).
+    Left to torch on fake tensors, which it does not count as foreach-capable, the simulated step
+    ran the per-parameter loop where a CUDA step runs foreach, whose intermediates for a whole
+    group are alive at once (AdamW: one fp32 copy of every parameter): the step's peak was
+    underestimated by up to the parameters' size, on a GPU host and on a CPU host planning for
+    GPUs alike."""
     if "foreach" not in group or group["foreach"] is not None:
         return {}
-    if group.get("fused") or group.get("differentiable"):
+    # torch's default applies only where `fused` is not given either (False included)
+    if group.get("fused") is not None or group.get("differentiable"):
         return {}
+    known = next((c for c in type(optimizer).__mro__ if c in _DEFAULTS_TO_FOREACH), None)
+    if known is None or type(optimizer).step is not getattr(known, "step", None):
+        return {}  # its own step, and its own default
     trained = [p for p in group["params"] if p.requires_grad]
-    foreach = default_foreach(trained, device_type)
+    foreach = default_foreach(trained, device_type, sharded)
     # Adam and AdamW keep the loop for a tensor learning rate without `capturable` (torch 2.11-2.15)
     lr = group.get("lr")
     if isinstance(optimizer, torch.optim.Adam) and isinstance(lr, torch.Tensor):
         foreach = foreach and bool(group.get("capturable"))
     return {"foreach": foreach}
+
+
+def per_parameter_step(optimizer: torch.optim.Optimizer, device_type: str, sharded: bool) -> bool:
+    """Whether some group with trainable parameters steps parameter by parameter in the
+    simulation (`fake_optimizer`): neither foreach nor fused, or an optimizer of its own."""
+    for group in optimizer.param_groups:
+        if not any(p.requires_grad for p in group["params"]):
+            continue
+        options = {**group, **_implementation(optimizer, group, device_type, sharded)}
+        if not options.get("fused") and not options.get("foreach"):
+            return True
+    return False

@@ -162,8 +162,10 @@ def _portable(model: nn.Module, setup: Setup) -> tuple[nn.Module, Setup]:
     }
     meta.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
     copy, _ = shallow_copy(model, setup.block_names, setup.block_names, meta)
-    # its choice of implementation made here, on the real parameters' types
-    optimizer = fake_optimizer(setup.optimizer, model, copy, (setup.trains_on or setup.device).type)
+    # the choice of implementation is left to the worker's `wrapped_copy`, which knows the
+    # strategy, over these Parameters: for parameters of another class the worker may choose
+    # otherwise, which the first depth's byte check then catches (`pool`)
+    optimizer = fake_optimizer(setup.optimizer, model, copy, None)
     return copy, replace(setup, optimizer=optimizer, batch=tree_map(_View.of, setup.batch))
 
 

@@ -45,7 +45,13 @@ from torch import nn
 
 from autoshard._batch import LossFn
 from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
-from autoshard.decide.estimate import ModelStats, Phase, Simulated, shard_bytes
+from autoshard.decide.estimate import (
+    ModelStats,
+    Phase,
+    Simulated,
+    per_parameter_ratio,
+    shard_bytes,
+)
 from autoshard.measure import cache
 from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
@@ -53,6 +59,7 @@ from autoshard.measure.fake import (
     fake_mesh,
     fake_optimizer,
     fake_tensor,
+    per_parameter_step,
     unavailable,
     wider_fake_kernels,
 )
@@ -123,7 +130,10 @@ def simulate(
         return _run(model, setup, strategy, mesh, repeats, periods)
 
     repeats = layout(model, setup.block_names)
-    degree = mesh.size() if recipe(strategy).sharded else 1
+    sharded = recipe(strategy).sharded
+    degree = mesh.size() if sharded else 1
+    trains_on = (setup.trains_on or setup.device).type
+    loop = per_parameter_step(setup.optimizer, trains_on, sharded)
     if repeats is not None:
         try:
             found = _by_periods(run, strategy, repeats)
@@ -131,9 +141,9 @@ def simulate(
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            return Simulated(*found, degree)
+            return Simulated(*found, degree, per_parameter_step=loop)
     moments, step = run(None, None)
-    return Simulated(peak_of(moments), step, degree)
+    return Simulated(peak_of(moments), step, degree, per_parameter_step=loop)
 
 
 def _by_periods(
@@ -263,7 +273,8 @@ def wrapped_copy(
         if recipe(strategy).sharded:
             shard_module(fake, names, mesh, strategy, setup.dtype)
         device_type = (setup.trains_on or setup.device).type
-        return fake, fake_optimizer(setup.optimizer, model, fake, device_type), batch
+        sharded = recipe(strategy).sharded
+        return fake, fake_optimizer(setup.optimizer, model, fake, device_type, sharded), batch
 
 
 # One simulation: a strategy, and whether every block is checkpointed (forward and backward only)
@@ -516,4 +527,6 @@ def _as_rank0(simulated: Simulated, stats: ModelStats, strategy: Strategy, rank:
     own = shard_bytes(stats, simulated.degree, rank)
     if own == 0:
         return simulated
-    return simulated.scaled(shard_bytes(stats, simulated.degree, 0) / own)
+    ratio = shard_bytes(stats, simulated.degree, 0) / own
+    degree = simulated.degree
+    return simulated.scaled(ratio, per_parameter_ratio(stats, (degree, rank), (degree, 0)))
