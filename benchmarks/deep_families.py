@@ -26,6 +26,13 @@ The layouts, and the families of each:
 - periodic blocks: `qwen_moe_step2` (MoE every second layer, `decoder_sparse_step=2`),
   `mixed_blocks` (attention and feed-forward blocks of two classes alternating in one list).
 
+Families added on 2026-11-25, each held out of every zoo until then: one list of alike blocks,
+`phi3` (fused projections), `falcon` (multi-query, parallel attention), `bloom` (ALiBi), `opt`,
+`gptj` (parallel residual), `bigcode` (multi-query), `qwen3_moe` and `olmoe` (every layer MoE),
+`mamba` (state-space blocks, no attention), `deberta` (disentangled relative attention),
+`dinov2`; periodic, `gemma2` (sliding and global attention alternating, soft-capping) and
+`modernbert` (global attention every third layer after a lead of one, 64 layers); two lists, `mbart`.
+
     python benchmarks/deep_families.py            # build each, list its blocks and parameters
 """
 
@@ -349,7 +356,12 @@ def whisper() -> ZooModel:
 def bart() -> ZooModel:
     from transformers import BartConfig, BartForConditionalGeneration
 
-    config = BartConfig(
+    return _bart_like(BartConfig, BartForConditionalGeneration)
+
+
+def _bart_like(config_class: Any, model_class: Any) -> ZooModel:
+    """BART's layout (or mBART's: layer norms after the embeddings and at each stack's end)."""
+    config = config_class(
         vocab_size=VOCAB,
         d_model=64,
         encoder_layers=DEPTH,
@@ -365,7 +377,7 @@ def bart() -> ZooModel:
         decoder_start_token_id=2,
         forced_eos_token_id=None,
     )
-    model = _hf(BartForConditionalGeneration, config)
+    model = _hf(model_class, config)
     g = _generator()
     # ids from 3 up: no pad, BOS or EOS token in the middle of a row
     batch = {
@@ -373,6 +385,193 @@ def bart() -> ZooModel:
         "labels": 3 + _tokens(g, seq=SEQ // 2, vocab=VOCAB - 3),
     }
     return _zoo(model, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# More families (held out from every zoo until 2026-11-25, when each first ran here)
+
+
+def gemma2() -> ZooModel:
+    """Gemma 2: sliding and global attention alternating, logit soft-capping, norms after each
+    sub-layer too; 32 layers (period 2)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**_decoder(head_dim=16, sliding_window=SEQ // 2, num_hidden_layers=DEEP))
+    return _lm(Gemma2ForCausalLM, config)
+
+
+def phi3() -> ZooModel:
+    """Phi-3: query, key and value in one fused projection, gate and up in another."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _lm(Phi3ForCausalLM, Phi3Config(**_decoder(pad_token_id=0)))
+
+
+def falcon() -> ZooModel:
+    """Falcon: multi-query attention, attention and MLP in parallel off one norm."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+    )
+    return _lm(FalconForCausalLM, config)
+
+
+def bloom() -> ZooModel:
+    """BLOOM: ALiBi position biases (no position embedding), an embedding layer norm."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return _lm(
+        BloomForCausalLM, BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=DEPTH, n_head=4)
+    )
+
+
+def opt() -> ZooModel:
+    """OPT: learned position embeddings, ReLU MLP."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=DEPTH,
+        ffn_dim=176,
+        num_attention_heads=4,
+        max_position_embeddings=2 * SEQ,
+        word_embed_proj_dim=64,
+    )
+    return _lm(OPTForCausalLM, config)
+
+
+def gptj() -> ZooModel:
+    """GPT-J: parallel residual, rotary on part of each head."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, n_positions=2 * SEQ
+    )
+    return _lm(GPTJForCausalLM, config)
+
+
+def bigcode() -> ZooModel:
+    """GPT-BigCode (StarCoder): multi-query attention in GPT-2's layout."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    config = GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=DEPTH, n_head=4, n_positions=2 * SEQ, multi_query=True
+    )
+    return _lm(GPTBigCodeForCausalLM, config)
+
+
+def qwen3_moe() -> ZooModel:
+    """Qwen3-MoE: every layer MoE (4 experts, top 2), norms on queries and keys."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_decoder(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    )
+    return _lm(Qwen3MoeForCausalLM, config)
+
+
+def olmoe() -> ZooModel:
+    """OLMoE: every layer MoE (4 experts, top 2)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(**_decoder(num_experts=4, num_experts_per_tok=2, pad_token_id=0))
+    return _lm(OlmoeForCausalLM, config)
+
+
+def mamba() -> ZooModel:
+    """Mamba: selective state-space blocks, no attention (transformers' PyTorch scan)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=DEPTH, state_size=8, expand=2
+    )
+    return _lm(MambaForCausalLM, config)
+
+
+def _mlm(cls: Any, config: Any) -> ZooModel:
+    ids = _tokens(_generator())
+    return _zoo(_hf(cls, config), {"input_ids": ids, "labels": ids.clone()})
+
+
+def deberta() -> ZooModel:
+    """DeBERTa-v2: disentangled attention over relative position buckets."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    config = DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        intermediate_size=176,
+        max_position_embeddings=2 * SEQ,
+        relative_attention=True,
+        position_buckets=16,
+        pos_att_type=["p2c", "c2p"],
+    )
+    return _mlm(DebertaV2ForMaskedLM, config)
+
+
+def modernbert() -> ZooModel:
+    """ModernBERT: global attention every third layer, local (sliding) in the others, the first
+    layer without its attention norm: a lead of one, then periods of 3; 64 layers (at 48 the
+    three shallow runs would hold 45 of them: no saving, simulated whole)."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4 * DEPTH,
+        num_attention_heads=4,
+        intermediate_size=176,
+        max_position_embeddings=2 * SEQ,
+        global_attn_every_n_layers=3,
+        local_attention=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    return _mlm(ModernBertForMaskedLM, config)
+
+
+def mbart() -> ZooModel:
+    """mBART: BART's layout with layer norms after the embeddings and at each stack's end."""
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    return _bart_like(MBartConfig, MBartForConditionalGeneration)
+
+
+def _images(model: nn.Module, size: int) -> ZooModel:
+    g = _generator()
+    batch = {
+        "pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
+        "labels": torch.randint(10, (BATCH,), generator=g),
+    }
+    return _zoo(model, batch)
+
+
+def dinov2() -> ZooModel:
+    """DINOv2: a ViT with layer scale, interpolated position embeddings."""
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    config = Dinov2Config(
+        hidden_size=64,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+        num_labels=10,
+    )
+    return _images(_hf(Dinov2ForImageClassification, config), 32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +635,20 @@ FAMILIES: dict[str, tuple[Callable[[], ZooModel], str]] = {
     "zoo_vit": (zoo_vit, "one list (own zoo)"),
     "zoo_mlp": (zoo_mlp, "one list (own zoo)"),
     "mixed_blocks": (mixed_blocks, "two classes alternating"),
+    "gemma2": (gemma2, "one list, sliding/global alternating"),
+    "phi3": (phi3, "one list, fused projections"),
+    "falcon": (falcon, "one list, parallel attention"),
+    "bloom": (bloom, "one list, ALiBi"),
+    "opt": (opt, "one list"),
+    "gptj": (gptj, "one list, parallel residual"),
+    "bigcode": (bigcode, "one list, multi-query"),
+    "qwen3_moe": (qwen3_moe, "one list, all MoE"),
+    "olmoe": (olmoe, "one list, all MoE"),
+    "mamba": (mamba, "one list, state-space"),
+    "deberta": (deberta, "one list, relative positions"),
+    "modernbert": (modernbert, "one list, global every 3rd"),
+    "mbart": (mbart, "encoder + decoder"),
+    "dinov2": (dinov2, "one list"),
 }
 
 
