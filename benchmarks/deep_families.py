@@ -31,7 +31,8 @@ Families added on 2026-11-25, each held out of every zoo until then: one list of
 `gptj` (parallel residual), `bigcode` (multi-query), `qwen3_moe` and `olmoe` (every layer MoE),
 `mamba` (state-space blocks, no attention), `deberta` (disentangled relative attention),
 `dinov2`; periodic, `gemma2` (sliding and global attention alternating, soft-capping) and
-`modernbert` (global attention every third layer after a lead of one, 64 layers); two lists, `mbart`.
+`modernbert` (global attention every third layer after a lead of one, 64 layers); two lists,
+`mbart`.
 
     python benchmarks/deep_families.py            # build each, list its blocks and parameters
 """
