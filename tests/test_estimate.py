@@ -805,6 +805,29 @@ def test_from_simulation_under_cpu_offload_keeps_state_off_the_device() -> None:
     assert host_bytes(unknown, s) == (176 + 176 + 352) // 2
 
 
+def test_cpu_offload_s_step_runs_the_host_s_implementation() -> None:
+    """Under CPU offload the optimizer steps CPU tensors, where torch's default is the loop:
+    `AdamW()` planned for CUDA holds foreach's copy of every parameter on the device's step,
+    one or two parameters' worth on the host's (it counted the whole copy there too)."""
+    import torch
+    from torch import nn
+
+    from autoshard.decide.estimate import host_bytes, model_stats
+    from autoshard.decide.optimizer import optimizer_state_bytes, step_temporary_bytes
+
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    adamw = torch.optim.AdamW(model.parameters())
+    state, reason = optimizer_state_bytes(adamw)
+    device, host = step_temporary_bytes(adamw, "cuda"), step_temporary_bytes(adamw, "cpu")
+    assert host < device
+    stats = model_stats(model, [], state, reason, 0, device, host)
+    s = setting(Strategy.CPU_OFFLOAD, 2, device_type="cuda")
+    without = dataclasses.replace(stats, host_step_temporary_bytes=None)
+    assert host_bytes(without, s) - host_bytes(stats, s) == -(-(state + device) // 2) - -(
+        -(state + host) // 2
+    )
+
+
 def test_gradient_rows_are_those_of_trainable_parameters() -> None:
     from autoshard.decide.estimate import model_stats
 

@@ -42,6 +42,8 @@ class ModelStats:
         input_bytes: bytes of the example batch.
         step_temporary_bytes: intermediates the optimizer step holds at once, unsharded
             (`optimizer.step_temporary_bytes`); None: assumed as large as all gradients.
+        host_step_temporary_bytes: the same for the step on the host (CPU offload), where torch's
+            optimizers default to the loop; None: as `step_temporary_bytes`.
     """
 
     param_bytes: int
@@ -56,6 +58,7 @@ class ModelStats:
     param_rows: tuple[tuple[int, int, int], ...] = ()
     # the same of each trainable parameter (each has a gradient)
     grad_rows: tuple[tuple[int, int, int], ...] = ()
+    host_step_temporary_bytes: int | None = None
 
     @property
     def root_numel(self) -> int:
@@ -70,6 +73,7 @@ def model_stats(
     reason: str,
     input_bytes: int,
     step_temporary_bytes: int | None = None,
+    host_step_temporary_bytes: int | None = None,
 ) -> ModelStats:
     params = list(model.parameters())
     return ModelStats(
@@ -83,6 +87,7 @@ def model_stats(
         optimizer_reason=reason,
         input_bytes=input_bytes,
         step_temporary_bytes=step_temporary_bytes,
+        host_step_temporary_bytes=host_step_temporary_bytes,
         param_rows=tuple(_rows(p) for p in params),
         grad_rows=tuple(_rows(p) for p in params if p.requires_grad),
     )
@@ -440,7 +445,9 @@ def host_bytes(stats: ModelStats, s: Setting) -> int:
     if not recipe(s.strategy).offload:
         return 0
     n = s.shard_degree or s.world_size
-    temporaries = stats.step_temporary_bytes if stats.step_temporary_bytes is not None else 0
+    # the step runs on the host, on CPU tensors: torch's default there is the loop, not foreach
+    on_host = stats.host_step_temporary_bytes
+    temporaries = on_host if on_host is not None else (stats.step_temporary_bytes or 0)
     pageable = -(-(stats.optimizer_bytes + temporaries) // n)
     if not stats.param_rows:  # shapes unknown: each shard as its share of the bytes
         return pageable + -(-(stats.param_bytes + stats.trainable_bytes) // n)

@@ -326,6 +326,7 @@ def plan_inputs(
         opt_reason,
         batch_bytes(batch) if batch is not None else 0,
         step_temporary_bytes(optimizer, device.type),
+        step_temporary_bytes(optimizer, "cpu"),  # CPU offload's step, on the host
     )
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4
