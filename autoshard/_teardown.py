@@ -16,6 +16,12 @@ aborts with the same message (pytorch/pytorch#190489; CI hit it once, torch 2.11
 checkpoint snippet on 2 ranks; made to happen on 2.11, 2.13 and 2.15 by starving the workers). So
 the teardown also waits, the GIL released, until every gloo worker thread sleeps waiting for work
 (`_wait_for_gloo_workers`).
+
+A script may destroy the group itself, as the README's example does. autoshard's record of the
+group is a weak reference, so that destroying drops the last reference there and then when nothing
+else holds it. FSDP2's mesh is held on by torch's caches of DTensor specs, and a wrapper the script
+keeps holds the group too, so the exit teardown waits for gloo's workers in that case as well (CI
+hit the abort once so, torch 2.13, the example on 2 ranks under `accelerate launch`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ import atexit
 import gc
 import platform
 import time
+import weakref
 from pathlib import Path
 
 import torch.distributed as dist
 
-_created: list[object] = []  # the default group prepare created, if any
+# The default group prepare created, if any: a weak reference, so that a script that destroys the
+# group itself drops its last reference there (joining gloo's threads), not at finalisation.
+_created: list[weakref.ref[dist.ProcessGroup]] = []
 
 _WORKER_NAME = "pt_gloo_runloop"  # the name torch gives gloo's worker threads (tests check it)
 _WORKER_WAIT_S = 2.0  # a worker busy this long is in a collective that will not end at exit
@@ -41,18 +50,25 @@ _UNREADABLE = "unreadable"  # what `_idle_wait` says where /proc will not tell
 
 def destroy_at_exit() -> None:
     """Register the teardown of the default process group, created by autoshard just now."""
+    group = dist.group.WORLD
+    if group is None:
+        return
     if not _created:
         atexit.register(_teardown)
-    _created[:] = [dist.group.WORLD]
+    _created[:] = [weakref.ref(group)]
 
 
 def _teardown() -> None:
-    # Only the group autoshard made: a script that destroyed it (or made another) is left alone.
-    if not _created or not dist.is_initialized() or dist.group.WORLD is not _created[0]:
-        return
+    created = _created[0]() if _created else None
     _created.clear()
-    gc.collect()  # wrappers the script dropped go first, with their hooks on the group
-    dist.destroy_process_group()
+    # Only the group autoshard made: a script that destroyed it (or made another) keeps its own.
+    ours = created is not None and dist.is_initialized() and dist.group.WORLD is created
+    del created
+    if ours:
+        gc.collect()  # wrappers the script dropped go first, with their hooks on the group
+        dist.destroy_process_group()
+    # Also where the script destroyed the group itself: a wrapper it still holds keeps gloo's
+    # threads alive into finalisation.
     _wait_for_gloo_workers(_WORKER_WAIT_S)
 
 

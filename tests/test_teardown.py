@@ -182,8 +182,44 @@ named.wait()
 
 
 @linux_proc
-def test_exit_waits_for_a_worker_that_is_still_busy(tmp_path: Path) -> None:
-    returncode, output, _ = run_plain_python(EXIT_SCRIPT, tmp_path, 120)
+@pytest.mark.parametrize("script_destroys", [False, True], ids=["group-left", "script-destroys"])
+def test_exit_waits_for_a_worker_that_is_still_busy(tmp_path: Path, script_destroys: bool) -> None:
+    """Also where the script destroyed the group itself, as the README's example does: a wrapper
+    it still holds (or one of torch's caches, which hold FSDP2's mesh) keeps gloo's threads
+    alive into finalisation all the same."""
+    script = EXIT_SCRIPT + ("dist.destroy_process_group()\n" if script_destroys else "")
+    returncode, output, _ = run_plain_python(script, tmp_path, 120)
     assert returncode == 0, output
     lines = [line for line in output.splitlines() if line in ("worker idle", "after teardown")]
     assert lines == ["worker idle", "after teardown"], output
+
+
+DESTROY_SCRIPT = """
+import threading
+from pathlib import Path
+import torch, torch.distributed as dist
+from autoshard import _teardown
+
+def workers():
+    tasks = Path("/proc/self/task").iterdir()
+    return sum(_teardown._read(t / "comm") == _teardown._WORKER_NAME for t in tasks)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+_teardown.destroy_at_exit()  # as prepare does when it created the group
+dist.all_reduce(torch.ones(4))
+print("workers before", workers())
+dist.destroy_process_group()  # the script's own teardown, nothing else holding the group
+print("workers after", workers(), flush=True)
+"""
+
+
+@linux_proc
+def test_a_script_that_destroys_the_group_itself_joins_its_threads_there(tmp_path: Path) -> None:
+    """autoshard's record of the group it created does not keep the group alive: the script's own
+    `destroy_process_group` drops the last reference and joins gloo's threads then, not during
+    finalisation, where a worker still releasing tensors aborts the process."""
+    returncode, output, _ = run_plain_python(DESTROY_SCRIPT, tmp_path, 120)
+    assert returncode == 0, output
+    before = [line for line in output.splitlines() if line.startswith("workers ")]
+    assert before[0] != "workers before 0", output  # the check reads real threads
+    assert before[1:] == ["workers after 0"], output
