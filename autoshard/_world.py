@@ -2,8 +2,8 @@
 
 rank, local rank, world size, backend and training device come from the process group (or
 the variables torchrun and `accelerate launch` set); free memory from pynvml on GPU (falling back
-to `torch.cuda.mem_get_info`) and from psutil on CPU. What must hold on every rank is agreed with
-one agreement (`collective.agree`).
+to `torch.cuda.mem_get_info`) and from psutil on CPU, within the limits of the process's control
+group (`_cgroup`). What must hold on every rank is agreed with one agreement (`collective.agree`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from autoshard import _cgroup
 from autoshard._teardown import destroy_at_exit
 
 logger = logging.getLogger("autoshard")
@@ -189,14 +189,37 @@ class Memory:
 
 
 def local_memory(world: World) -> Memory:
+    host = host_memory()
+    share = max(world.local_world_size, 1)
+    if world.device.type == "cuda":
+        return replace(_gpu_memory(world.device), host_free_bytes=host.available_bytes // share)
+    source = f"{host.source} / {share} rank(s) on this node"
+    return Memory(host.available_bytes // share, host.total_bytes // share, source)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory this process may use: psutil's figures for the machine, within its control
+    group's limit (a container's) where one is set."""
+
+    available_bytes: int
+    total_bytes: int
+    source: str  # where the figures came from, for the plan's reasons
+
+
+def host_memory() -> HostMemory:
     import psutil
 
     vm = psutil.virtual_memory()
-    share = max(world.local_world_size, 1)
-    if world.device.type == "cuda":
-        return replace(_gpu_memory(world.device), host_free_bytes=vm.available // share)
-    source = f"host RAM available (psutil) / {share} rank(s) on this node"
-    return Memory(vm.available // share, vm.total // share, source)
+    limit = _cgroup.memory_limit()
+    if limit is None or (limit.headroom_bytes >= vm.available and limit.limit_bytes >= vm.total):
+        return HostMemory(vm.available, vm.total, "host RAM available (psutil)")
+    source = (
+        f"host RAM available (psutil) within this container's limit of "
+        f"{limit.limit_bytes / 2**30:.2f} GiB ({limit.where})"
+    )
+    available = min(vm.available, limit.headroom_bytes)
+    return HostMemory(available, min(vm.total, limit.limit_bytes), source)
 
 
 def _gpu_memory(device: torch.device) -> Memory:
@@ -245,7 +268,7 @@ def spare_processes() -> int:
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = min(cores or 1, _cgroup_cores())
+    cores = min(cores or 1, _cgroup.cores() or 1 << 20)
     ranks = _ranks_on_this_node()
     try:
         load = math.ceil(os.getloadavg()[0])
@@ -253,7 +276,7 @@ def spare_processes() -> int:
         return 0
     idle = max(0, cores - max(load, ranks)) // ranks
     each = max(1, psutil.Process().memory_info().rss)
-    return min(idle, psutil.virtual_memory().available // 2 // each // ranks)
+    return min(idle, host_memory().available_bytes // 2 // each // ranks)
 
 
 def _ranks_on_this_node() -> int:
@@ -263,15 +286,3 @@ def _ranks_on_this_node() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 1
-
-
-def _cgroup_cores() -> int:
-    """The cores this container's CPU quota allows (cgroup v2 `cpu.max`; a large number where
-    none is set): a container sees every core of its host."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return 1 << 20
-    if quota == "max":
-        return 1 << 20
-    return max(1, int(quota) // max(1, int(period)))

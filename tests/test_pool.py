@@ -24,6 +24,7 @@ from torch import nn
 import autoshard
 import autoshard._world as world_module
 import autoshard.measure.pool as pool_module
+from autoshard import _cgroup
 from autoshard.decide.estimate import model_stats
 from autoshard.measure.fake import unavailable
 from autoshard.measure.pool import WORKERS, Pool, payload, worker_count
@@ -213,11 +214,14 @@ def test_how_many_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         worker_count(cpu, 9)
 
 
-def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spare_processes_are_the_idle_cores_and_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import psutil
 
     class Memory:
         available = 64 << 30
+        total = 128 << 30
 
     class Process:
         def memory_info(self) -> object:
@@ -228,7 +232,7 @@ def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.Monke
     monkeypatch.setattr(psutil, "Process", Process)
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 1 << 20)
+    monkeypatch.setattr(_cgroup, "_ROOT", tmp_path)  # no control group limits this host
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     assert world_module.spare_processes() == 15  # this process is busy
     monkeypatch.setattr(os, "getloadavg", lambda: (12.5, 0.0, 0.0))
@@ -243,9 +247,9 @@ def test_spare_processes_are_the_idle_cores_and_memory(monkeypatch: pytest.Monke
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 0.0, 0.0))
     assert world_module.spare_processes() == 3
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
-    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 4)  # a container's CPU quota
+    monkeypatch.setattr(_cgroup, "cores", lambda: 4)  # a container's CPU quota
     assert world_module.spare_processes() == 0
-    monkeypatch.setattr(world_module, "_cgroup_cores", lambda: 8)
+    monkeypatch.setattr(_cgroup, "cores", lambda: 8)
     assert world_module.spare_processes() == 4
     Memory.available = 6 << 30  # half of it for 1 GiB processes
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))

@@ -161,13 +161,13 @@ _PROBE_SHARE = 1 / 8
 def _too_large(func: Any, args: Any, kwargs: Any) -> str | None:
     """Why a CPU probe of this call is not run (its tensors too large for the host memory
     available now), else None. Its output's size comes from the fake kernel."""
-    import psutil
+    from autoshard._world import host_memory
 
     with disable_current_modes():  # the tracker below must not count this extra output
         output = func(*args, **kwargs)  # on fake tensors: no memory, no kernel
     tensors = [x for x in tree_flatten((args, kwargs, output))[0] if isinstance(x, torch.Tensor)]
     need = sum(t.numel() * t.element_size() for t in tensors)
-    available = psutil.virtual_memory().available
+    available = host_memory().available_bytes
     if need <= available * _PROBE_SHARE:
         return None
     return f"too large to run here: its tensors alone take {need:,} B of {available:,} B free"
