@@ -8,6 +8,13 @@ clusters): the groups this process is in come from /proc/self/cgroup, where they
 /proc/self/mountinfo, and every level from the process's group up to the mount's root counts (a
 parent's limit binds its children). Where none of it can be read (no Linux, no cgroup), nothing
 is limited.
+
+What a level has to spare is its limit less what its processes use that the kernel cannot
+reclaim: usage less the file cache (both its active and inactive lists, as /proc/meminfo's
+MemAvailable counts it; a file read twice sits on the active list, and the kernel still reclaims
+it before it kills). The limit is the lowest that applies: v2's `memory.max` and `memory.high`
+(past which the group is throttled to a crawl), v1's limit with and without swap and the
+`hierarchical_` limits that `memory.stat` gives for ancestors a container cannot see.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _ROOT = Path("/")  # where /proc and /sys are (tests point it at a tree of their own)
-_UNLIMITED_V1 = 1 << 60  # cgroup v1 writes "no limit" as the largest page-aligned 64-bit value
+_UNLIMITED = 1 << 60  # v1 writes "no limit" as the largest page-aligned 64-bit value
 
 
 @dataclass(frozen=True)
@@ -59,27 +66,36 @@ def cores() -> int | None:
 def _each_level(controller: str, read: Callable[[int, Path], T | None]) -> list[T]:
     """What `read` finds at each level of each of this process's groups with `controller`."""
     found = (
-        read(version, level) for version, group in _groups(controller) for level in _levels(group)
+        read(version, level)
+        for version, group, mount_point in _groups(controller)
+        for level in _levels(group, mount_point)
     )
     return [f for f in found if f is not None]
 
 
 def _read_limit(version: int, level: Path) -> MemoryLimit | None:
-    names = ("memory.max", "memory.current") if version == 2 else _V1_MEMORY
-    limit_text, usage_text = _read(level / names[0]), _read(level / names[1])
-    if limit_text is None or usage_text is None or not limit_text.isdigit():
-        return None  # "max" (v2), or no such level or file
-    limit = int(limit_text)
-    if version == 1 and limit >= _UNLIMITED_V1:
-        return None
     stat = _stat(level / "memory.stat")
-    # v1's total_ figures cover the level's descendants, as its usage does; v2's always do
-    reclaimable = stat.get("inactive_file" if version == 2 else "total_inactive_file", 0)
-    in_use = max(0, int(usage_text) - reclaimable)
-    return MemoryLimit(limit, max(0, limit - in_use), f"cgroup v{version} {names[0]}", level)
+    if version == 2:
+        files, usage = ("memory.max", "memory.high"), _number(level / "memory.current")
+        limits = {name: _number(level / name) for name in files}
+        cache = stat.get("active_file", 0) + stat.get("inactive_file", 0)
+    else:
+        files, usage = _V1_LIMITS, _number(level / "memory.usage_in_bytes")
+        limits = {name: _number(level / name) for name in files}
+        # the limits of ancestors, visible or not (a container sees its own group as the root)
+        limits.update({f"memory.stat {k}": stat.get(k) for k in _V1_HIERARCHICAL})
+        # v1's total_ figures cover the level's descendants, as its usage does (v2's always do)
+        cache = stat.get("total_active_file", 0) + stat.get("total_inactive_file", 0)
+    set_limits = {k: v for k, v in limits.items() if v is not None and v < _UNLIMITED}
+    if usage is None or not set_limits:
+        return None  # "max" or unlimited everywhere, or no such level or file
+    name, limit = min(set_limits.items(), key=lambda item: item[1])
+    in_use = max(0, usage - cache)
+    return MemoryLimit(limit, max(0, limit - in_use), f"cgroup v{version} {name}", level)
 
 
-_V1_MEMORY = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+_V1_LIMITS = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")  # memsw: RAM and swap
+_V1_HIERARCHICAL = ("hierarchical_memory_limit", "hierarchical_memsw_limit")
 
 
 def _read_quota(version: int, level: Path) -> int | None:
@@ -93,9 +109,10 @@ def _read_quota(version: int, level: Path) -> int | None:
     return max(1, int(quota) // max(1, int(period)))
 
 
-def _groups(controller: str) -> list[tuple[int, Path]]:
+def _groups(controller: str) -> list[tuple[int, Path, Path]]:
     """The directories of this process's groups with `controller`, each with its cgroup version
-    (v1 where the controller is mounted on its own hierarchy, else v2's unified one)."""
+    (v1 where the controller is mounted on its own hierarchy, else v2's unified one) and where
+    that hierarchy is mounted."""
     memberships = _memberships()
     found = []
     for mount_root, mount_point, version, controllers in _mounts():
@@ -105,19 +122,18 @@ def _groups(controller: str) -> list[tuple[int, Path]]:
         if path is None:
             continue
         # A group outside the mount's root (a container given its own cgroup namespace, or
-        # a bind mount of its group) is the mount itself.
+        # a bind mount of its group) is the mount itself. One under it that is not there has
+        # only its parents read (`_levels`).
         group = Path(path)
         inside = group.relative_to(mount_root) if group.is_relative_to(mount_root) else Path()
-        directory = mount_point / inside
-        found.append((version, directory if directory.is_dir() else mount_point))
+        found.append((version, mount_point / inside, mount_point))
     return found
 
 
-def _levels(group: Path) -> list[Path]:
-    """`group` and its parents up to its mount's root (where the next level up is not a group:
-    it has no cgroup.procs)."""
+def _levels(group: Path, mount_point: Path) -> list[Path]:
+    """`group` and its parents up to the mount's root."""
     levels = [group]
-    while (levels[-1].parent / "cgroup.procs").exists() and levels[-1].parent != levels[-1]:
+    while levels[-1] != mount_point and levels[-1].is_relative_to(mount_point):
         levels.append(levels[-1].parent)
     return levels
 
@@ -158,6 +174,11 @@ def _unescape(field: str) -> str:
     for escaped, plain in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
         field = field.replace(escaped, plain)
     return field
+
+
+def _number(path: Path) -> int | None:
+    text = _read(path)
+    return int(text) if text is not None and text.isdigit() else None  # None too for "max"
 
 
 def _stat(path: Path) -> dict[str, int]:

@@ -254,6 +254,16 @@ def test_spare_processes_are_the_idle_cores_and_memory(
     Memory.available = 6 << 30  # half of it for 1 GiB processes
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 0.0, 0.0))
     assert world_module.spare_processes() == 3
+    # a container's memory limit leaves 4 GiB to spare: half of it for 1 GiB processes
+    cgroup = tmp_path / "sys/fs/cgroup"
+    cgroup.mkdir(parents=True)
+    (cgroup / "memory.max").write_text(f"{8 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{4 << 30}\n")
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
+    mount = "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    (tmp_path / "proc/self/mountinfo").write_text(mount)
+    assert world_module.spare_processes() == 2
 
 
 simulation = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
