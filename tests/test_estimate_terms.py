@@ -228,10 +228,13 @@ def test_a_trial_peak_above_the_estimate_is_said() -> None:
 # Normalisation statistics under autocast on CPU
 
 
-def _norm_step(layer: nn.Module, x: torch.Tensor, fake: bool) -> tuple[list[Any], int, Any]:
+def _norm_step(
+    layer: nn.Module, x: torch.Tensor, fake: bool, trains_on: str | None = None
+) -> tuple[list[Any], int, Any]:
     """One forward and backward of `layer` on `x`, on real tensors or on fake ones as the
-    simulation runs them: what autograd saved (dtype, shape), the dispatch-level peak of live
-    bytes (inputs and parameters included) and the input's gradient dtype."""
+    simulation runs them (for a step on `trains_on`): what autograd saved (dtype, shape), the
+    dispatch-level peak of live bytes (inputs and parameters included) and the input's gradient
+    dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autoshard.wrap.meter import LiveBytes
@@ -246,7 +249,8 @@ def _norm_step(layer: nn.Module, x: torch.Tensor, fake: bool) -> tuple[list[Any]
     state = {**layer.state_dict(), **dict(layer.named_parameters())}
     state = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in state.items()}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with wider_fake_kernels("cpu") if fake else contextlib.nullcontext(), mode:
+    kernels = wider_fake_kernels("cpu", trains_on=trains_on) if fake else contextlib.nullcontext()
+    with kernels, mode:
         if isinstance(mode, FakeTensorMode):
             state = {k: mode.from_tensor(v) for k, v in state.items()}
             x = mode.from_tensor(x)
@@ -285,3 +289,32 @@ def test_cpu_norm_statistics_are_simulated_in_the_real_kernels_dtype(
     x = torch.randn(4, 6, 5, 5, dtype=dtype)
     real = _norm_step(layer, x, fake=False)
     assert _norm_step(layer, x, fake=True) == real
+
+
+@pytest.mark.parametrize("layer_dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_for_gpus_made_on_cpu_saves_layer_norm_statistics_as_cuda_does(
+    layer_dtype: torch.dtype,
+) -> None:
+    """A plan for GPUs made on a machine without one simulates on fake CPU tensors. CUDA's layer
+    norm keeps its mean and inverse std in fp32 for every bf16 input, whatever its weights' dtype
+    (FSDP2's param_dtype makes them bf16); the CPU fake kernel gave bf16, 4 bytes short per row
+    and norm. The reference is torch's fake CUDA kernel, called directly (a fake CUDA backward
+    needs a real CUDA device)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = nn.LayerNorm(5).to(layer_dtype)
+    x = torch.randn(4, 6, 5, 5, dtype=torch.bfloat16)
+    with FakeTensorMode():
+        weight = torch.empty(5, dtype=layer_dtype, device="cuda")
+        cuda_x = torch.empty(x.shape, dtype=x.dtype, device="cuda")
+        _, mean, rstd = torch.ops.aten.native_layer_norm(cuda_x, [5], weight, weight, 1e-5)
+    saved, _, grad_dtype = _norm_step(layer, x, fake=True, trains_on="cuda")
+    statistics = [dtype for dtype, shape in saved if shape == tuple(mean.shape)]
+    assert statistics == [mean.dtype, rstd.dtype] == [torch.float32, torch.float32]
+    assert grad_dtype == x.dtype
+    # training on the CPU: the CPU kernel's own (bf16 with bf16 weights, fp32 when mixed)
+    real, _, _ = _norm_step(layer, x, fake=False)
+    simulated, _, _ = _norm_step(layer, x, fake=True)
+    assert [d for d, shape in simulated if shape == tuple(mean.shape)] == [
+        d for d, shape in real if shape == tuple(mean.shape)
+    ]

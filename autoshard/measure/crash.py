@@ -36,7 +36,12 @@ def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> 
     try:
         fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, setup.block_names, mode)
         # as the simulation runs it (fp32 torch._grouped_mm, the real step's answers)
-        with wider_fake_kernels(setup.device.type, dict(setup.answers)), mode:
+        with (
+            wider_fake_kernels(
+                setup.device.type, dict(setup.answers), (setup.trains_on or setup.device).type
+            ),
+            mode,
+        ):
             if not recipe(strategy).sharded and setup.dtype is not None:
                 autocast_hooks(fake, setup.device.type, setup.dtype)
             compute_loss(call_model(fake, batch), batch, setup.loss_fn).backward()

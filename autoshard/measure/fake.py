@@ -29,7 +29,7 @@ from autoshard.measure.answers import READ_BACK, answering
 
 @contextlib.contextmanager
 def wider_fake_kernels(
-    device_type: str, answers: Mapping[str, bool] | None = None
+    device_type: str, answers: Mapping[str, bool] | None = None, trains_on: str | None = None
 ) -> Iterator[None]:
     """Fake-tensor kernels for operations whose fake version refuses what the real one runs,
     installed only while a trace or simulation runs (DESIGN.md section 3).
@@ -46,11 +46,12 @@ def wider_fake_kernels(
     Normalisations on CPU under autocast save their statistics in another dtype than the fake
     kernel gives (`MixedNormStats`, entered here where the fake tensors are on `device_type`
     "cpu", below every mode the caller enters later; elsewhere it would only cost time: every
-    operator passes through it, 7-10% of a plan's).
+    operator passes through it, 7-10% of a plan's). `trains_on` is the device the real step
+    runs on, where that is not `device_type` (a plan for GPUs made on fake CPU tensors).
     """
     with contextlib.ExitStack() as stack:
         if device_type == "cpu":
-            stack.enter_context(MixedNormStats())
+            stack.enter_context(MixedNormStats(cuda_layer_norm=trains_on == "cuda"))
         op = grouped_mm()
         if op is not None:  # a torch without _grouped_mm: nothing runs through it
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
@@ -94,7 +95,17 @@ class MixedNormStats(TorchDispatchMode):
     statistic short for each batch norm its backward had not reached (1,984 B at its peak,
     whatever the batch), transformers' BERT 4 bytes per token for each layer norm, enough to
     report a largest batch one row too large. Enter it before (below) the memory tracker: the
-    tracker sees the corrected results, and not the conversions made here."""
+    tracker sees the corrected results, and not the conversions made here.
+
+    With `cuda_layer_norm` (a plan for GPUs simulated on CPU tensors), layer norm's statistics
+    are CUDA's instead: fp32 (its accumulation type) for every bf16/fp16 input, whatever its
+    weights' dtype (FSDP2's param_dtype makes them bf16), as torch's fake CUDA kernel gives them.
+    The other normalisations' per-row statistics are dtype-alike on both devices (group norm's
+    code is shared); batch norm's are per channel."""
+
+    def __init__(self, cuda_layer_norm: bool = False) -> None:
+        super().__init__()
+        self.cuda_layer_norm = cuda_layer_norm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -109,7 +120,11 @@ class MixedNormStats(TorchDispatchMode):
             if grad_input is None or not _mixed_on_cpu(input, args[2:4]):
                 return result
             return (grad_input.to(input.dtype), *rest)
-        if not _mixed_on_cpu(args[0], (*args[1:], *kwargs.values())):
+        if self.cuda_layer_norm and func is aten.native_layer_norm.default:
+            fp32_stats = _reduced_on_cpu(args[0])
+        else:
+            fp32_stats = _mixed_on_cpu(args[0], (*args[1:], *kwargs.values()))
+        if not fp32_stats:
             return result
         output, *stats = result
         return (output, *(s.to(torch.float32) for s in stats))
@@ -117,11 +132,14 @@ class MixedNormStats(TorchDispatchMode):
 
 def _mixed_on_cpu(input: Any, others: Any) -> bool:
     """A bf16/fp16 CPU input meeting an fp32 tensor (what the CPU kernels call mixed type)."""
+    return _reduced_on_cpu(input) and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in others
+    )
+
+
+def _reduced_on_cpu(input: Any) -> bool:
     return (
-        isinstance(input, torch.Tensor)
-        and input.device.type == "cpu"
-        and input.dtype in _REDUCED
-        and any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in others)
+        isinstance(input, torch.Tensor) and input.device.type == "cpu" and input.dtype in _REDUCED
     )
 
 

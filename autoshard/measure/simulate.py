@@ -245,7 +245,9 @@ def _run(
         ]
     )
     with (
-        wider_fake_kernels(setup.device.type, dict(setup.answers)),
+        wider_fake_kernels(
+            setup.device.type, dict(setup.answers), (setup.trains_on or setup.device).type
+        ),
         sharding_propagation_untracked(),
         mode,
     ):
