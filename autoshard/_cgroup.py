@@ -36,7 +36,7 @@ class MemoryLimit:
     Attributes:
         limit_bytes: the lowest limit of the levels that have one.
         headroom_bytes: the least, over those levels, of the limit less what the level's processes
-            use and the kernel cannot reclaim (its usage less its inactive file cache).
+            use and the kernel cannot reclaim (its usage less its file cache).
         where: what sets the level with the least headroom (the cgroup version and file).
         level: that level's directory.
     """

@@ -305,7 +305,9 @@ def test_a_plan_for_gpus_made_on_cpu_saves_layer_norm_statistics_as_cuda_does(
     layer = nn.LayerNorm(5).to(layer_dtype)
     x = torch.randn(4, 6, 5, 5, dtype=torch.bfloat16)
     with FakeTensorMode():
-        weight = torch.empty(5, dtype=layer_dtype, device="cuda")
+        # weights in the input's dtype: CUDA's statistics follow the input's (its accumulation
+        # type), and torch 2.15's fake CUDA kernel refuses mixed dtypes called directly
+        weight = torch.empty(5, dtype=x.dtype, device="cuda")
         cuda_x = torch.empty(x.shape, dtype=x.dtype, device="cuda")
         _, mean, rstd = torch.ops.aten.native_layer_norm(cuda_x, [5], weight, weight, 1e-5)
     saved, _, grad_dtype = _norm_step(layer, x, fake=True, trains_on="cuda")
