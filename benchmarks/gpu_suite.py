@@ -205,8 +205,19 @@ def _watch(
 
 
 def _started_at(state: Path, section: str) -> float | None:
-    marker = state / f"{section}.started"
-    return float(marker.read_text()) if marker.exists() else None
+    try:
+        return float((state / f"{section}.started").read_text())
+    except (OSError, ValueError):  # not there yet (a suite from before _write: maybe empty)
+        return None
+
+
+def _write(path: Path, text: str) -> None:
+    """Write `text` whole or not at all, as the supervisor and the worker read each other's files
+    while they run (a marker read between its creation and its write was empty: the dry run
+    failed on it, torch 2.13, 2 busy cores)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _record(state: Path, name: str, status: str, *, error: str, began: float | None = None) -> None:
@@ -216,7 +227,7 @@ def _record(state: Path, name: str, status: str, *, error: str, began: float | N
     partial = state / f"{name}.partial.json"
     if partial.exists():  # what the section finished before it was stopped
         entry["result"] = json.loads(partial.read_text())
-    (state / f"{name}.json").write_text(json.dumps(entry, indent=1))
+    _write(state / f"{name}.json", json.dumps(entry, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +243,7 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
     state = out / "sections"
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    (state / "machine.json").write_text(json.dumps(_worker_machine(torch, cuda)))
+    _write(state / "machine.json", json.dumps(_worker_machine(torch, cuda)))
 
     def calibration() -> Any:
         return _gpu_checks.calibrate(device, dry_run)
@@ -246,7 +257,7 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
         throughput = Throughput(**calibrated["throughput"]) if calibrated else None
 
         def progress(result: Any) -> None:
-            (state / "accuracy.partial.json").write_text(json.dumps(result, indent=1))
+            _write(state / "accuracy.partial.json", json.dumps(result, indent=1))
 
         return _gpu_accuracy.run(device, dry_run, deadline, throughput, progress)
 
@@ -261,7 +272,7 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
         "oom": oom,
     }
     for name in sections:
-        (state / f"{name}.started").write_text(repr(time.time()))
+        _write(state / f"{name}.started", repr(time.time()))
         began = time.time()
         try:
             if not dry_run and not cuda:
@@ -274,7 +285,7 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
                 "traceback": traceback.format_exc()[-4000:],
             }
         entry["seconds"] = round(time.time() - began, 1)
-        (state / f"{name}.json").write_text(json.dumps(entry, indent=1, default=str))
+        _write(state / f"{name}.json", json.dumps(entry, indent=1, default=str))
 
 
 def _result(state: Path, name: str) -> Any:
@@ -356,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # recorded; the other sections still run
             entry = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         entry["seconds"] = round(time.time() - began, 1)
-        (state / "tests.json").write_text(json.dumps(entry, indent=1))
+        _write(state / "tests.json", json.dumps(entry, indent=1))
     supervise(out, args.dry_run, [s for s in WORKER_SECTIONS if s in args.sections], started)
     from _gpu_report import write
 

@@ -234,6 +234,19 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
     assert time.time() - started < 30
 
 
+def test_the_supervisor_reads_a_section_start_that_is_not_written_yet_as_none(
+    tmp_path: Path,
+) -> None:
+    """The worker's files are written whole (`_write`: a rename), and a marker from a suite
+    before that, created but still empty, reads as not started: the dry run once failed with
+    `could not convert string to float: ''` reading one mid-write."""
+    (tmp_path / "compat.started").write_text("")
+    assert gpu_suite._started_at(tmp_path, "compat") is None
+    gpu_suite._write(tmp_path / "compat.started", "1234.5")
+    assert gpu_suite._started_at(tmp_path, "compat") == 1234.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compat.started"]  # no part left
+
+
 def test_a_worker_that_dies_in_a_section_is_recorded_and_the_next_section_still_runs(
     tmp_path,
 ) -> None:
