@@ -75,13 +75,13 @@ def _each_level(controller: str, read: Callable[[int, Path], T | None]) -> list[
 
 def _read_limit(version: int, level: Path) -> MemoryLimit | None:
     stat = _stat(level / "memory.stat")
+    files = ("memory.max", "memory.high") if version == 2 else _V1_LIMITS
+    limits = {name: _number(level / name) for name in files}
     if version == 2:
-        files, usage = ("memory.max", "memory.high"), _number(level / "memory.current")
-        limits = {name: _number(level / name) for name in files}
+        usage = _number(level / "memory.current")
         cache = stat.get("active_file", 0) + stat.get("inactive_file", 0)
     else:
-        files, usage = _V1_LIMITS, _number(level / "memory.usage_in_bytes")
-        limits = {name: _number(level / name) for name in files}
+        usage = _number(level / "memory.usage_in_bytes")
         # the limits of ancestors, visible or not (a container sees its own group as the root)
         limits.update({f"memory.stat {k}": stat.get(k) for k in _V1_HIERARCHICAL})
         # v1's total_ figures cover the level's descendants, as its usage does (v2's always do)
