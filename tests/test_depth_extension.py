@@ -314,6 +314,18 @@ def test_the_layouts_found() -> None:
     assert layout_module.layout(model, names).periods == 32  # type: ignore[union-attr]
 
 
+# Blocks that repeat too few times for three shallow simulations to save anything (simulated
+# whole), where the trace's one shallow copy still does
+TRACE_ONLY = {
+    # BART-large's two lists of 12 blocks (three runs would hold 6, 8 and 10 of their 24)
+    "two_lists_of_12": (_Lists, ([False] * 12, [True] * 12)),
+    # one list of 8 alike blocks
+    "eight": (_Stack, ([False] * 8,)),
+    # 14 blocks alternating in periods of two, with a tail
+    "alternating_14": (_Stack, ([i % 2 == 1 for i in range(15)],)),
+}
+
+
 def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -322,8 +334,7 @@ def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
     trace gives."""
     from autoshard.measure import facts
 
-    for name in LAYOUTS:
-        build, arguments = LAYOUTS[name]
+    for name, (build, arguments) in {**LAYOUTS, **TRACE_ONLY}.items():
         torch.manual_seed(0)
         model = build(*arguments)
         pairs = [(n, m) for n, m in model.named_modules() if isinstance(m, _Block)]
@@ -331,13 +342,43 @@ def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
         batch = torch.randn(32, 64)
         shallow = facts._profile(model, blocks, batch, None, None, names)
         with monkeypatch.context() as patch:
-            patch.setattr(facts, "layout", lambda *args: None)
+            patch.setattr(facts, "repeats", lambda *args: None)
             whole = facts._profile(model, blocks, batch, None, None, names)
         assert shallow.block_saved_bytes == whole.block_saved_bytes, name
         assert shallow.block_input_bytes == whole.block_input_bytes, name
         assert shallow.block_forward_flops == whole.block_forward_flops, name
         assert shallow.total_forward_flops == whole.total_forward_flops, name
         assert shallow.activation_bytes(0) == whole.activation_bytes(0), name
+
+
+@pytest.mark.parametrize("name", sorted(TRACE_ONLY))
+def test_blocks_too_few_to_simulate_shallow_are_still_traced_shallow(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where three shallow simulations would cost as much as the whole model's one, the model is
+    simulated whole, but its trace (one run) is still made on SHALLOW[0] periods of every list:
+    fewer blocks run, the same profile (the test above)."""
+    from autoshard.measure import facts, trace
+
+    build, arguments = TRACE_ONLY[name]
+    torch.manual_seed(0)
+    model = build(*arguments)
+    pairs = [(n, m) for n, m in model.named_modules() if isinstance(m, _Block)]
+    names, blocks = [n for n, _ in pairs], [m for _, m in pairs]
+    assert layout_module.layout(model, names) is None  # simulated whole
+    found = layout_module.repeats(model, names)
+    assert found is not None
+    traced: list[int] = []
+    profile_step = trace.profile_step
+
+    def counted(model: torch.nn.Module, blocks: list[torch.nn.Module], *args: object) -> object:
+        traced.append(len(blocks))
+        return profile_step(model, blocks, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(facts, "profile_step", counted)
+    facts._profile(model, blocks, torch.randn(32, 64), None, None, names)
+    assert traced == [len(found.kept(layout_module.SHALLOW[0]))]
+    assert traced[0] < len(names)
 
 
 def test_where_three_four_and_five_periods_disagree_six_is_tried(

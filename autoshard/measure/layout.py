@@ -112,8 +112,22 @@ class Layout:
 
 
 def layout(model: nn.Module, names: list[str]) -> Layout | None:
-    """How the blocks `names` repeat, where a shallow copy is worth simulating instead of the whole
-    model; else None. Each list must hold blocks only (a copy drops its last ones)."""
+    """How the blocks `names` repeat, where simulating copies of SHALLOW periods costs less than
+    the whole model (`repeats`: their three runs hold at most as many blocks in proportion as
+    they do of a list of MIN_DEPTH_TO_EXTEND alike blocks); else None."""
+    best = repeats(model, names)
+    if best is None:
+        return None
+    shallow = sum(len(best.kept(k)) for k in SHALLOW)
+    if shallow * MIN_DEPTH_TO_EXTEND > sum(SHALLOW) * len(names):
+        return None
+    return best
+
+
+def repeats(model: nn.Module, names: list[str]) -> Layout | None:
+    """How the blocks `names` repeat (every list with more than SHALLOW[-1] periods, the others
+    as leads), whatever a shallow copy saves; None where no list repeats so. Each list must hold
+    blocks only (a copy drops its last ones)."""
     lists = _lists(model, names)
     if lists is None:
         return None
@@ -127,9 +141,6 @@ def layout(model: nn.Module, names: list[str]) -> Layout | None:
         if best is None or len(candidate.kept(4)) < len(best.kept(4)):
             best = candidate
     assert best is not None
-    shallow = sum(len(best.kept(k)) for k in SHALLOW)
-    if shallow * MIN_DEPTH_TO_EXTEND > sum(SHALLOW) * len(names):
-        return None
     return best
 
 
