@@ -148,14 +148,20 @@ def test_blocks_of_one_shape_computing_otherwise_are_simulated_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first 5 blocks narrow, the rest wide: a copy of 3, 4 or 5 blocks never runs a wide
-    one, and the extension fell short by all the wide blocks keep."""
+    one, and the extension fell short by all the wide blocks keep. Their attributes tell them
+    apart; where those did not, their operators would (`measure.operators`)."""
+    from autoshard.measure import facts
+
     wide = [i >= 5 for i in range(DEPTH)]
     whole, repeats = _stack_peak(wide)
     assert repeats is None
     monkeypatch.setattr(layout_module, "alike", lambda a, b, apart=1: True)  # shapes alone
-    extended, repeats = _stack_peak(wide)
+    by_operators, repeats = _stack_peak(wide)
     assert repeats is not None and repeats.periods == DEPTH
-    assert extended < whole  # what the check prevents: an estimate short of the model's
+    assert by_operators == whole
+    monkeypatch.setattr(facts, "first_unlike", lambda *args: None)  # nor operators
+    extended, _ = _stack_peak(wide)
+    assert extended < whole  # what the checks prevent: an estimate short of the model's
 
 
 def test_a_layer_index_is_no_difference() -> None:
@@ -438,6 +444,63 @@ def test_an_int_stepping_by_one_in_some_layers_is_no_layer_index(
     estimate = _layout_plan(stack, "ddp", False)
     monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
     assert estimate == _layout_plan(stack, "ddp", False)
+
+
+class _ByPosition(_Block):
+    """A block that holds only its position (`layer_idx`, which counts the blocks) and computes
+    by it: every eighth keeps an activation 8 times its input's. Alike in all they hold."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__(layer_idx, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.layer_idx % 8 == 7:
+            y = (y.repeat(1, 8) * 2).view(x.shape[0], 8, 64).mean(1)
+        return x + torch.relu(y)
+
+
+class _ByPositionStack(_Stack):
+    def __init__(self, depth: int) -> None:
+        super().__init__([False] * depth)
+        self.blocks = torch.nn.ModuleList(_ByPosition(i) for i in range(depth))
+
+
+class _EverySixthDoubled(_Stack):
+    """Alike blocks, of which the parent calls every sixth on the batch twice over."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(torch.cat([x, x]))[: x.shape[0]] if i % 6 == 5 else block(x)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize(("strategy", "checkpointed"), [("ddp", False), ("full_shard", True)])
+@pytest.mark.parametrize("build", [_ByPositionStack, _EverySixthDoubled], ids=["own", "parent"])
+def test_blocks_alike_that_compute_by_position_are_simulated_whole(
+    build: type, strategy: str, checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks alike in all they hold, computing by their position (their own forward, or the
+    parent's loop): a copy of their first periods never runs the others, and the extension fell
+    short of the whole model's estimate. Their operators in the whole forward differ: the model
+    is traced and simulated whole, and the plan says why."""
+    from autoshard.measure import facts
+
+    torch.manual_seed(0)
+    model = build(DEPTH) if build is _ByPositionStack else build([False] * DEPTH)
+    names = [f"blocks.{i}" for i in range(DEPTH)]
+    assert layout_module.layout(model, names) is not None  # alike by all they hold
+    periods = _periods_simulated(monkeypatch)
+    plan = _layout_planned(model, strategy, checkpointed)
+    assert set(periods) == {"whole"}, periods
+    unlike = [r for r in plan.reasons if "run different operators" in r]
+    first = "blocks.6 and blocks.7" if build is _ByPositionStack else "blocks.4 and blocks.5"
+    assert len(unlike) == 1 and first in unlike[0], plan.reasons
+    with monkeypatch.context() as patch:
+        patch.setattr(facts, "repeats", lambda *args: None)
+        patch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
+        whole = _layout_plan(model, strategy, checkpointed)
+    assert plan.chosen.estimated_peak_bytes == whole
 
 
 class _Strict(torch.nn.Module):

@@ -32,6 +32,9 @@ class ActivationProfile:
             because torch's raised on them (grouped-query attention on torch 2.11).
         flops_uncounted: operators whose forward FLOPs no formula could count: counted as 0,
             so the modelled step time leaves them out.
+        unlike_blocks: where two blocks alike in all they hold ran different operators in the
+            whole model's forward (`measure.operators`), which and how: the model is then
+            traced and simulated whole, not extended from a few of its blocks.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -46,6 +49,7 @@ class ActivationProfile:
     answers: tuple[tuple[str, bool], ...] = ()
     flops_by_own_formula: tuple[str, ...] = ()
     flops_uncounted: tuple[str, ...] = ()
+    unlike_blocks: str | None = None
 
     @property
     def other_saved_bytes(self) -> int:

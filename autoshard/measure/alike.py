@@ -14,7 +14,9 @@ blocks of the list (`layer_idx`: its position plus one constant, in every block)
 difference; any other int must be equal (a top-k of 1 in some layers, 2 in others is not a
 layer index, though it steps by one). Attributes that differ without
 changing memory (timm's drop-path rates, which grow with depth) cost the extension, never the
-estimate: such blocks are simulated whole.
+estimate: such blocks are simulated whole. What blocks hold cannot tell a block that computes by
+its position alone (`layer_idx % 4` in its forward, or a parent calling every sixth differently):
+`measure.operators` checks blocks found alike here against the operators they run.
 """
 
 from __future__ import annotations

@@ -431,6 +431,7 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         answers=tuple((_str(place), bool(answer)) for place, answer in value["answers"]),
         flops_by_own_formula=tuple(map(_str, value["flops_by_own_formula"])),
         flops_uncounted=tuple(map(_str, value["flops_uncounted"])),
+        unlike_blocks=None if value["unlike_blocks"] is None else _str(value["unlike_blocks"]),
     )
 
 

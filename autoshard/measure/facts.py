@@ -4,7 +4,7 @@ gathered into the `PlanInputs` that `candidates.decide` takes."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,8 @@ from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure import cache
 from autoshard.measure.fake import shallow_copy
-from autoshard.measure.layout import SHALLOW, repeats
+from autoshard.measure.layout import SHALLOW, Layout, repeats
+from autoshard.measure.operators import first_unlike
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import autograd_on
 from autoshard.measure.trace import extended, profile_scaled, profile_step
@@ -161,7 +162,17 @@ def _measure(
         profile,
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
         f"saved for backward over the whole forward (the table's activ is what is still alive "
-        f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}",
+        f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}"
+        f"{_unlike_note(profile)}",
+    )
+
+
+def _unlike_note(profile: ActivationProfile) -> str:
+    if profile.unlike_blocks is None:
+        return ""
+    return (
+        f"; {profile.unlike_blocks}: the model is traced and simulated whole, not extended "
+        f"from a few of its blocks"
     )
 
 
@@ -196,6 +207,10 @@ def _profile(
     found = repeats(model, names) if names is not None else None
     if names is None or found is None or len(found.kept(SHALLOW[0])) >= len(names):
         return profile_step(model, blocks, batch, loss_fn, dtype)
+    unlike = _unlike(model, blocks, names, found, batch, dtype)
+    if unlike is not None:  # a copy would not run what the model runs: nothing is extended
+        profile = profile_step(model, blocks, batch, loss_fn, dtype)
+        return replace(profile, unlike_blocks=unlike)
     shallow, kept = shallow_copy(model, names, found.kept(SHALLOW[0]))
     traced = [shallow.get_submodule(n) for n in kept]
     try:
@@ -203,6 +218,24 @@ def _profile(
     except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
         return profile_step(model, blocks, batch, loss_fn, dtype)
     return extended(profile, names, found.source(SHALLOW[0]))
+
+
+def _unlike(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    names: list[str],
+    found: Layout,
+    batch: Any,
+    dtype: torch.dtype | None,
+) -> str | None:
+    """Where blocks `found` alike run different operators (`operators.first_unlike`), which;
+    None where none do, or where the model's forward cannot run on fake tensors (the trace then
+    fails alike and measures on real tensors; the blocks' attributes decide)."""
+    try:
+        return first_unlike(model, blocks, names, found, batch, dtype)
+    except Exception:  # noqa: BLE001 - see above
+        logger.debug("the blocks' operators could not be compared", exc_info=True)
+        return None
 
 
 def _not_callable(error: Exception) -> str:

@@ -30,7 +30,7 @@ from torch import nn
 
 from autoshard._torch_compat import profiler_enabled, tree_map, view_base
 from autoshard.measure.fake import fake_mesh, fake_optimizer, shallow_copy, unavailable
-from autoshard.measure.layout import SHALLOW, Layout, layout
+from autoshard.measure.layout import SHALLOW, Layout
 from autoshard.measure.pool import Pool, payload, worker_count
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.simulate import (
@@ -39,6 +39,7 @@ from autoshard.measure.simulate import (
     Setup,
     Steps,
     run_at_depth,
+    simulated_layout,
     simulated_world,
 )
 from autoshard.measure.step import autograd_on
@@ -80,7 +81,7 @@ class Shared:
         pool = self._pool_for(runs)
         if pool is None or not runs:
             return {}, 0
-        repeats = layout(model, setup.block_names)
+        repeats = simulated_layout(model, setup)
         depths = SHALLOW if repeats is not None else (None,)
         jobs: list[Job] = [(strategy, ck, k) for strategy, ck in runs for k in depths]
         if pool.distrusted is None:
@@ -132,7 +133,7 @@ def workers(
     They start at the first round with runs left, unless what a run needs cannot be sent to
     them (then none does). (With `run_here` False this process leaves every run it can to
     them: `Pool`.)"""
-    depths = len(SHALLOW) if layout(model, setup.block_names) is not None else 1
+    depths = len(SHALLOW) if simulated_layout(model, setup) is not None else 1
     count = worker_count(setup.device, runs * depths)
     if count == 0 or unavailable() is not None or profiler_enabled():
         yield None
@@ -239,6 +240,6 @@ def serving(
     model, setup, settings, size, rank = state
     _take(settings)
     setup = replace(setup, batch=tree_map(_View.made, setup.batch))
-    repeats: Layout | None = layout(model, setup.block_names)
+    repeats: Layout | None = simulated_layout(model, setup)
     with own_runs_quiet(), autograd_on(), fake_mesh(size, rank, setup.device.type) as mesh:
         yield lambda job: (run_at_depth(model, setup, mesh, repeats, job), take_unmeasured())

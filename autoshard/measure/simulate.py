@@ -102,6 +102,9 @@ class Setup:
     trains_on: torch.device | None = None
     # yes/no values the real step read back, by place (`ActivationProfile.answers`)
     answers: tuple[tuple[str, bool], ...] = ()
+    # the trace found blocks alike in all they hold running different operators
+    # (`ActivationProfile.unlike_blocks`): the model is simulated whole
+    unlike_blocks: bool = False
 
 
 Steps = tuple[dict[str, list[Phase]], Phase]
@@ -129,7 +132,7 @@ def simulate(
             return _run(model, setup, strategy, mesh)
         return _run(model, setup, strategy, mesh, repeats, periods)
 
-    repeats = layout(model, setup.block_names)
+    repeats = simulated_layout(model, setup)
     sharded = recipe(strategy).sharded
     degree = mesh.size() if sharded else 1
     trains_on = (setup.trains_on or setup.device).type
@@ -144,6 +147,13 @@ def simulate(
             return Simulated(*found, degree, per_parameter_step=loop)
     moments, step = run(None, None)
     return Simulated(peak_of(moments), step, degree, per_parameter_step=loop)
+
+
+def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
+    """How the model's blocks repeat where its runs are simulated shallow and extended
+    (`layout.layout`); None where they are simulated whole, as also where the trace found blocks
+    alike that run different operators."""
+    return None if setup.unlike_blocks else layout(model, setup.block_names)
 
 
 def _by_periods(
@@ -433,6 +443,7 @@ def _digests(
             cache.describe_device(setup.trains_on or setup.device),
             setup.block_names,
             setup.answers,
+            setup.unlike_blocks,
             size,
         ]
     )

@@ -57,8 +57,17 @@ def with_simulation(
     here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     dtype = inputs.mixed_precision.dtype
     answers = inputs.profile.answers if inputs.profile is not None else ()
+    unlike = inputs.profile is not None and inputs.profile.unlike_blocks is not None
     setup = Setup(
-        block_names, batch, loss_fn, optimizer, dtype, here, trains_on=device, answers=answers
+        block_names,
+        batch,
+        loss_fn,
+        optimizer,
+        dtype,
+        here,
+        trains_on=device,
+        answers=answers,
+        unlike_blocks=unlike,
     )
     # Checkpointing moves the peak later into backward, which deriving from the unchecked peak
     # misses: where checkpointed candidates matter, a strategy is simulated with every block

@@ -125,12 +125,8 @@ def profile_step(
     formulas = _FlopFormulas()
     counter = FlopCounterMode(display=False, custom_mapping=formulas.mapping())
     handles = _attribution_hooks(blocks, attribution, counter, block_flops)
-    device_type = _device_type(model)
-    autocast = (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+    device_type = device_type_of(model)
+    autocast = autocast_for(device_type, autocast_dtype)
     try:
         with (
             torch.random.fork_rng(devices=[], enabled=real),
@@ -342,7 +338,14 @@ def _attribution_hooks(
     return handles
 
 
-def _device_type(model: nn.Module) -> str:
+def autocast_for(device_type: str, dtype: torch.dtype | None) -> Any:
+    """Autocast to `dtype` on `device_type` (mixed precision), or nothing where it is None."""
+    return (
+        torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    )
+
+
+def device_type_of(model: nn.Module) -> str:
     param = next(model.parameters(), None)
     if param is None or param.device.type == "meta":  # a what-if model built on meta
         return "cpu"

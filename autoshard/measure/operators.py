@@ -1,0 +1,127 @@
+"""Whether blocks the layout calls alike run the same operators (issue 24): the check that lets a
+model be traced and simulated with a few periods of its blocks and extended.
+
+`measure.alike` compares blocks by what they hold (classes, attributes, parameter shapes), which
+tells sliding- from global-attention layers where each layer keeps its kind. A block can also
+compute by its position alone: a forward that reads `self.layer_idx % 4`, a parent that calls
+every sixth block with a longer sequence. Such blocks hold the same, and a shallow copy would run
+only the first positions' kind: the extension would stand for blocks it never ran. So the whole
+model's forward runs once on fake tensors, without autograd (no memory, no backward), and each
+block's operators are recorded (name, and each output's shape and dtype): every block must run
+what the block one period before it ran, from the third period on (the first two always run in
+the shallow copies, so they may differ: a first layer fed by the embedding's dtype)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard._batch import split_batch
+from autoshard._torch_compat import TorchDispatchMode, fake_mode, tree_leaves, tree_map
+from autoshard.measure.fake import wider_fake_kernels
+from autoshard.measure.layout import SHALLOW, Layout
+from autoshard.measure.trace import autocast_for, device_type_of
+
+# A block's operators: each operator's name with its outputs' shapes and dtypes, in order
+Operators = tuple[tuple[str, tuple[tuple[tuple[int, ...], str], ...]], ...]
+
+
+def first_unlike(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    names: list[str],
+    repeats: Layout,
+    batch: Any,
+    autocast_dtype: torch.dtype | None,
+) -> str | None:
+    """Where two blocks that `repeats` extends one from the other run different operators: a
+    sentence naming them and the first operator that differs; None where every block runs its
+    period's. Raises what the forward raises (the caller then trusts the attributes)."""
+    ran = block_operators(model, blocks, batch, autocast_dtype)
+    at = {name: i for i, name in enumerate(names)}
+    for stretch in repeats.stretches:
+        if stretch.periods == 0:
+            continue  # all lead: every block of it runs in each copy
+        first = stretch.lead + (SHALLOW[0] - 1) * stretch.period  # the third period
+        for i in range(first + stretch.period, len(stretch.names)):
+            block, before = stretch.names[i], stretch.names[i - stretch.period]
+            mine, theirs = ran[at[block]], ran[at[before]]
+            if mine != theirs:
+                return (
+                    f"blocks {before} and {block} hold the same but run different operators "
+                    f"({_first_difference(theirs, mine)})"
+                )
+    return None
+
+
+def block_operators(
+    model: nn.Module, blocks: list[nn.Module], batch: Any, autocast_dtype: torch.dtype | None
+) -> list[Operators]:
+    """The operators each of `blocks` runs in one forward of `batch` (on fake tensors, without
+    autograd: no memory is used and nothing of the model changes)."""
+    mode = fake_mode()
+    state = {n: mode.from_tensor(t) for n, t in model.named_parameters(remove_duplicate=False)}
+    state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
+    fake_batch = tree_map(
+        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
+    )
+    recorder = _Recorder(len(blocks))
+    handles = [
+        hook
+        for index, block in enumerate(blocks)
+        for hook in (
+            block.register_forward_pre_hook(lambda *_, i=index: recorder.enter(i)),
+            block.register_forward_hook(lambda *_: recorder.leave()),
+        )
+    ]
+    device_type = device_type_of(model)
+    autocast = autocast_for(device_type, autocast_dtype)
+    try:
+        with wider_fake_kernels(device_type), mode, recorder, torch.no_grad(), autocast:
+            args, kwargs = split_batch(fake_batch)
+            torch.func.functional_call(model, state, args, kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [tuple(ran) for ran in recorder.ran]
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each operator run inside a block, under that block."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__()
+        self.ran: list[list[Any]] = [[] for _ in range(n_blocks)]
+        self.current: int | None = None
+
+    def enter(self, index: int) -> None:
+        self.current = index
+
+    def leave(self) -> None:
+        self.current = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self.current is not None:
+            outputs = tuple(
+                (tuple(t.shape), str(t.dtype))
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            )
+            self.ran[self.current].append((str(func), outputs))
+        return out
+
+
+def _first_difference(a: Operators, b: Operators) -> str:
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return f"{_said(x)} against {_said(y)}"
+    longer, count = (a, len(b)) if len(a) > len(b) else (b, len(a))
+    return f"{len(longer) - count} more operator(s), the first {_said(longer[count])}"
+
+
+def _said(op: tuple[str, tuple[tuple[tuple[int, ...], str], ...]]) -> str:
+    name, outputs = op
+    return f"{name} -> " + ", ".join(f"{list(shape)} {dtype}" for shape, dtype in outputs)
