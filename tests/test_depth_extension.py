@@ -503,6 +503,26 @@ def test_blocks_alike_that_compute_by_position_are_simulated_whole(
     assert plan.chosen.estimated_peak_bytes == whole
 
 
+def test_blocks_found_unlike_on_any_rank_are_unlike_on_every_rank() -> None:
+    """Ranks decide from the largest profile any traced; a rank whose batch made blocks run
+    other operators has the model simulated whole on every rank."""
+    from autoshard.decide.profile import ActivationProfile
+    from autoshard.measure.facts import worst
+
+    def profile(saved: int, unlike: str | None) -> ActivationProfile:
+        return ActivationProfile(
+            (saved,), (0,), 0, 0, 0, (0,), 0, torch.float32, unlike_blocks=unlike
+        )
+
+    small, large = profile(1, "blocks 4 and 5 differ"), profile(2, None)
+    for order in ([small, large], [large, small], [None, large, small]):
+        agreed = worst(order)
+        assert agreed is not None
+        assert agreed.block_saved_bytes == (2,) and agreed.unlike_blocks == "blocks 4 and 5 differ"
+    assert worst([large, None]) == large
+    assert worst([None]) is None
+
+
 class _Strict(torch.nn.Module):
     """Its forward needs every block: a copy with fewer of them raises."""
 

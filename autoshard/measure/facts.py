@@ -408,9 +408,15 @@ def accumulation_reason(steps: int) -> str:
 
 
 def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
-    """Every rank decides from the same data: the largest activation profile any rank traced."""
+    """Every rank decides from the same data: the largest activation profile any rank traced,
+    its blocks unlike where any rank's were (`ActivationProfile.unlike_blocks`: a batch of
+    other shapes may run other operators)."""
     known = [p for p in profiles if p is not None]
-    return max(known, key=lambda p: p.activation_bytes(0)) if known else None
+    if not known:
+        return None
+    largest = max(known, key=lambda p: p.activation_bytes(0))
+    unlike = next((p.unlike_blocks for p in known if p.unlike_blocks is not None), None)
+    return replace(largest, unlike_blocks=largest.unlike_blocks or unlike)
 
 
 def forced_checkpointing(request: Request, num_blocks: int) -> int | None:
