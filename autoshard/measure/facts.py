@@ -211,11 +211,16 @@ def _profile(
     if unlike is not None:  # a copy would not run what the model runs: nothing is extended
         profile = profile_step(model, blocks, batch, loss_fn, dtype)
         return replace(profile, unlike_blocks=unlike)
-    shallow, kept = shallow_copy(model, names, found.kept(SHALLOW[0]))
-    traced = [shallow.get_submodule(n) for n in kept]
-    try:
+    try:  # a copy with fewer blocks may fail where the model runs (as may copying at all)
+        shallow, kept = shallow_copy(model, names, found.kept(SHALLOW[0]))
+        traced = [shallow.get_submodule(n) for n in kept]
         profile = profile_step(shallow, traced, batch, loss_fn, dtype)
-    except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
+    except Exception:  # noqa: BLE001 - see above
+        return profile_step(model, blocks, batch, loss_fn, dtype)
+    # A block of the copy whose parameters got no gradient (a head reading the second-last
+    # block's output) stands for blocks that may get one in the model
+    prefixes = tuple(f"{name}." for name in kept)
+    if any(name.startswith(prefixes) for name in profile.unused_parameters):
         return profile_step(model, blocks, batch, loss_fn, dtype)
     return extended(profile, names, found.source(SHALLOW[0]))
 

@@ -7,9 +7,11 @@ compute by its position alone: a forward that reads `self.layer_idx % 4`, a pare
 every sixth block with a longer sequence. Such blocks hold the same, and a shallow copy would run
 only the first positions' kind: the extension would stand for blocks it never ran. So the whole
 model's forward runs once on fake tensors, without autograd (no memory, no backward), and each
-block's operators are recorded (name, and each output's shape and dtype): every block must run
-what the block one period before it ran, from the third period on (the first two always run in
-the shallow copies, so they may differ: a first layer fed by the embedding's dtype)."""
+block's operators are recorded (name, and each output's shape and dtype), with those the model
+runs after it before the next (a parent adding a mid-depth head after one block): every block,
+and what follows it, must run what the block one period before it ran, from the third period on
+(the first two always run in the shallow copies, so they may differ: a first layer fed by the
+embedding's dtype). What follows a list's last block (the head, the next list) is its own."""
 
 from __future__ import annotations
 
@@ -36,10 +38,12 @@ def first_unlike(
     batch: Any,
     autocast_dtype: torch.dtype | None,
 ) -> str | None:
-    """Where two blocks that `repeats` extends one from the other run different operators: a
-    sentence naming them and the first operator that differs; None where every block runs its
-    period's. Raises what the forward raises (the caller then trusts the attributes)."""
-    ran = block_operators(model, blocks, batch, autocast_dtype)
+    """Where two blocks that `repeats` extends one from the other run different operators, or
+    the model runs different ones after them (a parent acting after the middle block): a
+    sentence naming them and the first operator that differs; None where every block, and what
+    follows it, runs its period's. Raises what the forward raises (the caller then trusts the
+    attributes)."""
+    inside, after = operators_by_block(model, blocks, batch, autocast_dtype)
     at = {name: i for i, name in enumerate(names)}
     for stretch in repeats.stretches:
         if stretch.periods == 0:
@@ -47,20 +51,28 @@ def first_unlike(
         first = stretch.lead + (SHALLOW[0] - 1) * stretch.period  # the third period
         for i in range(first + stretch.period, len(stretch.names)):
             block, before = stretch.names[i], stretch.names[i - stretch.period]
-            mine, theirs = ran[at[block]], ran[at[before]]
+            mine, theirs = inside[at[block]], inside[at[before]]
             if mine != theirs:
                 return (
                     f"blocks {before} and {block} hold the same but run different operators "
                     f"({_first_difference(theirs, mine)})"
                 )
+            last = i == len(stretch.names) - 1  # what follows a list's last block is its own
+            mine, theirs = after[at[block]], after[at[before]]
+            if not last and mine != theirs:
+                return (
+                    f"the model runs different operators after blocks {before} and {block}, "
+                    f"which hold the same ({_first_difference(theirs, mine)})"
+                )
     return None
 
 
-def block_operators(
+def operators_by_block(
     model: nn.Module, blocks: list[nn.Module], batch: Any, autocast_dtype: torch.dtype | None
-) -> list[Operators]:
-    """The operators each of `blocks` runs in one forward of `batch` (on fake tensors, without
-    autograd: no memory is used and nothing of the model changes)."""
+) -> tuple[list[Operators], list[Operators]]:
+    """The operators each of `blocks` runs in one forward of `batch`, and those run after it
+    until the next block begins (on fake tensors, without autograd: no memory is used and
+    nothing of the model changes)."""
     mode = fake_mode()
     state = {n: mode.from_tensor(t) for n, t in model.named_parameters(remove_duplicate=False)}
     state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
@@ -73,7 +85,7 @@ def block_operators(
         for index, block in enumerate(blocks)
         for hook in (
             block.register_forward_pre_hook(lambda *_, i=index: recorder.enter(i)),
-            block.register_forward_hook(lambda *_: recorder.leave()),
+            block.register_forward_hook(lambda *_, i=index: recorder.leave(i)),
         )
     ]
     device_type = device_type_of(model)
@@ -85,32 +97,34 @@ def block_operators(
     finally:
         for handle in handles:
             handle.remove()
-    return [tuple(ran) for ran in recorder.ran]
+    return [tuple(ran) for ran in recorder.inside], [tuple(ran) for ran in recorder.after]
 
 
 class _Recorder(TorchDispatchMode):
-    """Records each operator run inside a block, under that block."""
+    """Records each operator run inside a block under that block, and each run between blocks
+    under the block before."""
 
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
-        self.ran: list[list[Any]] = [[] for _ in range(n_blocks)]
-        self.current: int | None = None
+        self.inside: list[list[Any]] = [[] for _ in range(n_blocks)]
+        self.after: list[list[Any]] = [[] for _ in range(n_blocks)]
+        self.ran: list[Any] | None = None  # where the operator run now goes; None: before any
 
     def enter(self, index: int) -> None:
-        self.current = index
+        self.ran = self.inside[index]
 
-    def leave(self) -> None:
-        self.current = None
+    def leave(self, index: int) -> None:
+        self.ran = self.after[index]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if self.current is not None:
+        if self.ran is not None:
             outputs = tuple(
                 (tuple(t.shape), str(t.dtype))
                 for t in tree_leaves(out)
                 if isinstance(t, torch.Tensor)
             )
-            self.ran[self.current].append((str(func), outputs))
+            self.ran.append((str(func), outputs))
         return out
 
 

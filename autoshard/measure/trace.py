@@ -362,19 +362,13 @@ def extended(
 ) -> ActivationProfile:
     """The profile of the model whose blocks are `block_names`, from one traced with some of
     them (`source` maps each block to the traced block that stands for it, `layout.Layout.source`;
-    a traced block keeps its name): every block saves, takes and computes what its source did,
-    its parameters unused where the source's were."""
+    a traced block keeps its name): every block saves, takes and computes what its source did.
+    Every traced block's parameters must have had a gradient (`facts._profile` traces the whole
+    model otherwise): the unused ones are the rest of the model's, as traced."""
     traced = list(dict.fromkeys(source[n] for n in block_names))  # the traced blocks, in order
     if len(traced) == len(block_names):
         return profile
     at = {name: i for i, name in enumerate(traced)}
-    prefixes = tuple(f"{name}." for name in traced)
-    unused = [p for p in profile.unused_parameters if not p.startswith(prefixes)]
-    for name in block_names:
-        prefix = f"{source[name]}."
-        unused += [
-            f"{name}.{p[len(prefix) :]}" for p in profile.unused_parameters if p.startswith(prefix)
-        ]
     flops = tuple(profile.block_forward_flops[at[source[n]]] for n in block_names)
     return replace(
         profile,
@@ -384,5 +378,4 @@ def extended(
         total_forward_flops=profile.total_forward_flops
         + sum(flops)
         - sum(profile.block_forward_flops),
-        unused_parameters=tuple(unused),
     )
