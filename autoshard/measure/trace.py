@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -57,11 +58,21 @@ class _Attribution:
         self.owner: dict[int, int | str] = {}
         self.nbytes: dict[int, int] = {}
         self.inputs = [0] * n_blocks
+        # the tensors saved of each storage counted: a storage whose saved tensors are all gone
+        # was freed (a branch whose graph forward dropped: routing scores reduced to indices),
+        # and a later storage may take its address, its key (DeepSeek-V3's blocks then went
+        # from 451,872 to 417,568 B, differing from run to run)
+        self.saved: dict[int, list[weakref.ref[torch.Tensor]]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage_key(storage)
-        if key in self.owner or key in self.existing:
+        if key in self.existing:
+            return tensor
+        saved = self.saved.setdefault(key, [])
+        alive = any(ref() is not None for ref in saved)
+        saved.append(weakref.ref(tensor))
+        if alive:  # the same storage, counted
             return tensor
         if self.current is not None:
             self.owner[key] = self.current
@@ -69,6 +80,14 @@ class _Attribution:
             self.owner[key] = "after" if self.after_blocks else "before"
         self.nbytes[key] = storage.nbytes()
         return tensor
+
+    def forward_done(self) -> None:
+        """Leaves out the storages freed in forward (their saved tensors all gone): nothing of
+        them is saved for backward."""
+        for key, saved in self.saved.items():
+            if all(ref() is None for ref in saved):
+                self.owner.pop(key, None)
+                self.nbytes.pop(key, None)
 
     def enter(self, index: int) -> None:
         self.current = index
@@ -142,6 +161,7 @@ def profile_step(
             forward_flops = counter.get_total_flops()
             # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
             by_own, uncounted = sorted(formulas.by_own), sorted(formulas.uncounted)
+            attribution.forward_done()
             loss.backward()
     finally:
         for handle in handles:
