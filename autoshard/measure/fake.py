@@ -156,6 +156,33 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Runs the user's own model (the trace, the operator check) and puts back every module's
+    attributes as they were: a forward on fake tensors that caches what it computed on its
+    module (a rotary table built on first call, a stored auxiliary loss) would otherwise leave a
+    fake tensor there, and the next real forward would compute on it without an error. The
+    registries of parameters, buffers and submodules are put back too (a buffer registered in
+    forward)."""
+    registries = ("_parameters", "_buffers", "_modules")
+    kept = [
+        (module, dict(vars(module)), {r: dict(getattr(module, r)) for r in registries})
+        for module in model.modules()
+    ]
+    try:
+        yield
+    finally:
+        for module, attributes, contents in kept:
+            now = vars(module)
+            for name in [n for n in now if n not in attributes]:
+                del now[name]
+            now.update(attributes)
+            for registry, content in contents.items():
+                held = getattr(module, registry)
+                held.clear()
+                held.update(content)
+
+
+@contextlib.contextmanager
 def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
     """A DeviceMesh over a fake process group of `world_size` ranks, this process being `rank`.
 

@@ -6,8 +6,10 @@ tells sliding- from global-attention layers where each layer keeps its kind. A b
 compute by its position alone: a forward that reads `self.layer_idx % 4`, a parent that calls
 every sixth block with a longer sequence. Such blocks hold the same, and a shallow copy would run
 only the first positions' kind: the extension would stand for blocks it never ran. So the whole
-model's forward runs once on fake tensors, without autograd (no memory, no backward), and each
-block's operators are recorded (name, and each output's shape and dtype), with those the model
+model's forward runs once on fake tensors (no memory, no backward), and each block's operators
+are recorded (name, and each output's shape and dtype) with what autograd saves for backward (a
+parent checkpointing its first blocks, or running some without gradients, runs the same
+operators in them but saves otherwise: Megatron's "block" recomputation), with those the model
 runs after it before the next (a parent adding a mid-depth head after one block): every block,
 and what follows it, must run what the block one period before it ran, from the third period on
 (the first two always run in the shallow copies, so they may differ: a first layer fed by the
@@ -22,9 +24,9 @@ from torch import nn
 
 from autoshard._batch import split_batch
 from autoshard._torch_compat import TorchDispatchMode, fake_mode, tree_leaves, tree_map
-from autoshard.measure.fake import wider_fake_kernels
+from autoshard.measure.fake import attributes_kept, wider_fake_kernels
 from autoshard.measure.layout import SHALLOW, Layout
-from autoshard.measure.trace import autocast_for, device_type_of
+from autoshard.measure.trace import autocast_for, device_type_of, fake_parameter
 
 # A block's operators: each operator's name with its outputs' shapes and dtypes, in order
 Operators = tuple[tuple[str, tuple[tuple[tuple[int, ...], str], ...]], ...]
@@ -71,10 +73,10 @@ def operators_by_block(
     model: nn.Module, blocks: list[nn.Module], batch: Any, autocast_dtype: torch.dtype | None
 ) -> tuple[list[Operators], list[Operators]]:
     """The operators each of `blocks` runs in one forward of `batch`, and those run after it
-    until the next block begins (on fake tensors, without autograd: no memory is used and
-    nothing of the model changes)."""
+    until the next block begins, each with what autograd saved (on fake tensors, no backward:
+    no memory is used and nothing of the model changes, its attributes put back)."""
     mode = fake_mode()
-    state = {n: mode.from_tensor(t) for n, t in model.named_parameters(remove_duplicate=False)}
+    state = {n: fake_parameter(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
     state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
     fake_batch = tree_map(
         lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
@@ -91,7 +93,16 @@ def operators_by_block(
     device_type = device_type_of(model)
     autocast = autocast_for(device_type, autocast_dtype)
     try:
-        with wider_fake_kernels(device_type), mode, recorder, torch.no_grad(), autocast:
+        # with autograd, and what it saves recorded: a block the parent checkpoints or runs
+        # without gradients by its position runs the same operators but saves otherwise
+        with (
+            attributes_kept(model),
+            wider_fake_kernels(device_type),
+            mode,
+            recorder,
+            torch.autograd.graph.saved_tensors_hooks(recorder.saved, _nothing),
+            autocast,
+        ):
             args, kwargs = split_batch(fake_batch)
             torch.func.functional_call(model, state, args, kwargs)
     finally:
@@ -116,6 +127,11 @@ class _Recorder(TorchDispatchMode):
     def leave(self, index: int) -> None:
         self.ran = self.after[index]
 
+    def saved(self, tensor: torch.Tensor) -> None:
+        """Saved for backward (nothing is kept: no backward runs)."""
+        if self.ran is not None:
+            self.ran.append(("saved for backward", ((tuple(tensor.shape), str(tensor.dtype)),)))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.ran is not None:
@@ -139,3 +155,7 @@ def _first_difference(a: Operators, b: Operators) -> str:
 def _said(op: tuple[str, tuple[tuple[tuple[int, ...], str], ...]]) -> str:
     name, outputs = op
     return f"{name} -> " + ", ".join(f"{list(shape)} {dtype}" for shape, dtype in outputs)
+
+
+def _nothing(packed: None) -> torch.Tensor:
+    raise RuntimeError("the operator check runs no backward")

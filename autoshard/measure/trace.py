@@ -43,7 +43,7 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
-from autoshard.measure.fake import wider_fake_kernels
+from autoshard.measure.fake import attributes_kept, wider_fake_kernels
 
 logger = logging.getLogger("autoshard")
 
@@ -63,12 +63,16 @@ class _Attribution:
         # and a later storage may take its address, its key (DeepSeek-V3's blocks then went
         # from 451,872 to 417,568 B, differing from run to run)
         self.saved: dict[int, list[weakref.ref[torch.Tensor]]] = {}
+        self.closed = False  # forward done: what backward saves (a recomputation) is not counted
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage_key(storage)
-        if key in self.existing:
+        if self.closed or key in self.existing:
             return tensor
+        # a detached alias is what autograd keeps: returning the tensor itself makes a saved
+        # output (sigmoid's, softmax's) hold its own grad_fn, a cycle no collector breaks
+        tensor = tensor.detach()
         saved = self.saved.setdefault(key, [])
         alive = any(ref() is not None for ref in saved)
         saved.append(weakref.ref(tensor))
@@ -88,6 +92,7 @@ class _Attribution:
             if all(ref() is None for ref in saved):
                 self.owner.pop(key, None)
                 self.nbytes.pop(key, None)
+        self.closed = True
 
     def enter(self, index: int) -> None:
         self.current = index
@@ -129,7 +134,9 @@ def profile_step(
         fake_batch = batch
     else:
         mode = fake_mode()
-        state = {n: _fake(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
+        state = {
+            n: fake_parameter(mode, t) for n, t in model.named_parameters(remove_duplicate=False)
+        }
         state.update(
             {n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)}
         )
@@ -149,6 +156,7 @@ def profile_step(
     try:
         with (
             torch.random.fork_rng(devices=[], enabled=real),
+            attributes_kept(model),
             wider_fake_kernels(device_type),
             mode,
             counter,
@@ -321,7 +329,8 @@ def _attention_shape(
     return batch, heads, q_len, dim
 
 
-def _fake(mode: Any, param: torch.Tensor) -> torch.Tensor:
+def fake_parameter(mode: Any, param: torch.Tensor) -> torch.Tensor:
+    """`param` as a fake tensor of `mode`, requiring a gradient where it does."""
     fake = mode.from_tensor(param)
     fake.requires_grad_(param.requires_grad)
     return fake
