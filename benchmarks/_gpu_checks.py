@@ -42,9 +42,10 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
 
 
 def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    """Measured matmul FLOP/s (bf16 on CUDA, fp32 on the CPU dry run) and memory bandwidth beside
-    `hardware_for`'s constants; a figure off by more than DISAGREEMENT is taken from the
-    measurement (`Throughput`), and the resulting `Hardware` is reported."""
+    """Measured matmul FLOP/s (bf16 on CUDA, fp32 on the CPU dry run), memory bandwidth and time
+    per operator launch beside `hardware_for`'s constants; a figure off by more than
+    DISAGREEMENT is taken from the measurement (`Throughput`), and the resulting `Hardware` is
+    reported."""
     low = device.type == "cuda"
     dtype = torch.bfloat16 if low else torch.float32
     n = 256 if dry_run else 8192
@@ -59,17 +60,29 @@ def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
     seconds = _timed(device, functools.partial(dst.copy_, src), 2 if dry_run else 10)
     bandwidth = 2 * nbytes / seconds  # each byte read once and written once
     del src, dst
+    x, tiny = torch.zeros(1, device=device), 200  # one-element additions: their launches alone
+    seconds = _timed(device, lambda: [x.add_(1) for _ in range(tiny)], 2 if dry_run else 10)
+    launch = seconds / tiny
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     constants = hardware_for(device.type, capability, low)
     figures = {}
-    taken: dict[str, float | None] = {"flops_per_s": None, "memory_bytes_per_s": None}
-    for name, value in (("flops_per_s", flops), ("memory_bytes_per_s", bandwidth)):
+    taken: dict[str, float | None] = {}
+    measured = (
+        ("flops_per_s", flops),
+        ("memory_bytes_per_s", bandwidth),
+        ("kernel_launch_s", launch),
+    )
+    for name, value in measured:
+        taken[name] = None
         constant = getattr(constants, name)
         off = value / constant - 1
         figures[name] = {"constant": constant, "measured": value, "off_by": off}
         if abs(off) > DISAGREEMENT:
             taken[name] = value
-    where = f"measured on {_device_name(device)} ({dtype} {n}x{n} matmul, {nbytes >> 20} MiB copy)"
+    where = (
+        f"measured on {_device_name(device)} ({dtype} {n}x{n} matmul, {nbytes >> 20} MiB copy, "
+        f"{tiny} one-element additions)"
+    )
     throughput = Throughput(**taken, where=where)
     hardware = hardware_for(device.type, capability, low, throughput)
     return {

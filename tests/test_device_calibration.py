@@ -27,13 +27,15 @@ def test_nothing_is_measured_off_a_gpu() -> None:
 
 def test_the_slowest_rank_s_figures_replace_the_constants_and_say_so() -> None:
     inputs = make_inputs(2, AMPLE, hardware=GPU)
-    fast = Throughput(8e14, 3e12, "measured on cuda:0 (fast)")
-    slow = Throughput(6e14, 2.5e12, "measured on cuda:0 (slow)")
+    fast = Throughput(8e14, 3e12, "measured on cuda:0 (fast)", 4e-6)
+    slow = Throughput(6e14, 2.5e12, "measured on cuda:0 (slow)", 3e-6)
     taken = with_device(inputs, [_report(0, fast), _report(1, slow)])
     assert taken.hardware.flops_per_s == 6e14
     assert taken.hardware.memory_bytes_per_s == 2.5e12
+    assert taken.hardware.kernel_launch_s == 4e-6  # each figure the slowest rank's
     source = taken.hardware.source
-    assert source.startswith("FLOP/s and memory bandwidth measured on cuda:0 (slow)"), source
+    expected = "FLOP/s, memory bandwidth and operator launch time measured on cuda:0 (slow)"
+    assert source.startswith(expected), source
     assert "the slowest of 2 ranks" in source and "otherwise constants" in source
     # the cost model reads them: compute-bound steps are faster than on the constants (4e14)
     for strategy in (Strategy.DDP, Strategy.FULL_SHARD):

@@ -232,7 +232,8 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     figures = device_throughput(device, torch.bfloat16)
     assert figures is not None and figures.flops_per_s and figures.memory_bytes_per_s
     assert figures.flops_per_s > 1e12 and figures.memory_bytes_per_s > 1e11  # a GPU, not a CPU
+    assert figures.kernel_launch_s is not None and 0 < figures.kernel_launch_s < 1e-3
     model, optimizer, batch = checks.setup(device, width=256, blocks=2, rows=256)
     _, _, plan = autoshard.prepare(model, optimizer, batch, loss_fn=checks.loss_fn)
     chose = next(r for r in plan.reasons if r.startswith("chose "))
-    assert f"FLOP/s and memory bandwidth measured on {device}" in chose, chose
+    assert f"FLOP/s, memory bandwidth and operator launch time measured on {device}" in chose, chose

@@ -314,6 +314,9 @@ def test_measured_throughput_replaces_the_constants_it_names_only() -> None:
     both = hardware_for("cpu", None, False, Throughput(1e9, 3e9, where="measured here"))
     assert (both.flops_per_s, both.memory_bytes_per_s) == (1e9, 3e9)
     assert hardware_for("cpu", None, False, Throughput()) == hardware_for("cpu", None, False)
+    launch = hardware_for("cuda", (9, 0), True, Throughput(kernel_launch_s=9e-6, where="here"))
+    assert launch.kernel_launch_s == 9e-6 and launch.flops_per_s == constants.flops_per_s
+    assert launch.source == "operator launch time here; the rest constants"
 
 
 def test_measured_throughput_refuses_what_is_not_a_positive_rate() -> None:
@@ -321,6 +324,8 @@ def test_measured_throughput_refuses_what_is_not_a_positive_rate() -> None:
         Throughput(flops_per_s=0.0)
     with pytest.raises(ValueError, match=r"Throughput.memory_bytes_per_s .* got nan"):
         Throughput(memory_bytes_per_s=float("nan"))
+    with pytest.raises(ValueError, match=r"Throughput.kernel_launch_s must be a finite positive"):
+        Throughput(kernel_launch_s=-1e-6)
     with pytest.raises(TypeError, match=r"Throughput.flops_per_s must be a number .* str '1e12'"):
         Throughput(flops_per_s="1e12")  # type: ignore[arg-type]
 

@@ -17,8 +17,8 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
-    """Modelled step time: compute (3x forward, plus one forward of each checkpointed block),
-    overlapped with gradient/parameter traffic, plus collective launches and FSDP2's copies.
+    """Modelled step time: compute (`compute_seconds`), overlapped with gradient/parameter
+    traffic, plus collective launches and FSDP2's copies.
 
     Traffic per rank for a ring over N ranks moves (N-1)/N of the payload per pass: DDP
     all-reduces gradients (2 passes), ZeRO-2 all-gathers parameters once and reduce-scatters
@@ -26,9 +26,7 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
     """
     r = recipe(strategy)
     hw, stats, s = inputs.hardware, inputs.stats, inputs.setting
-    forward = inputs.profile.total_forward_flops if inputs.profile is not None else 0
-    recompute = inputs.profile.recompute_flops(checkpointed) if inputs.profile else 0
-    compute = (3 * forward + recompute) / hw.flops_per_s
+    compute = compute_seconds(inputs, strategy, checkpointed)
     n = inputs.world_size
     ring = (n - 1) / n if n > 1 else 0.0
     bandwidth = hw.intra_node_bytes_per_s if inputs.num_nodes <= 1 else hw.inter_node_bytes_per_s
@@ -62,6 +60,38 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
         state = stats.param_bytes + stats.trainable_bytes + stats.optimizer_bytes
         seconds += 2 * state / n / hw.host_memory_bytes_per_s
     return seconds
+
+
+def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
+    """The step's own work on one rank, without communication: the forward, the backward (twice
+    the forward's FLOPs), one forward more of each checkpointed block and the optimizer step on
+    this rank's shard, each operator either FLOP-bound (matmuls, convolutions, attention: the
+    traced FLOPs over the FLOP/s) or memory-bound (the bytes the others read and write over the
+    bandwidth); and no faster than the operators can be launched one after the other
+    (`Hardware.kernel_launch_s`), which bounds a step of many small operators. A roofline
+    (Williams, Waterman and Patterson 2009) summed over operators, with eager launch costs."""
+    r = recipe(strategy)
+    hw, stats, profile = inputs.hardware, inputs.stats, inputs.profile
+    flops = traffic = operators = 0
+    if profile is not None:
+        flops = 3 * profile.total_forward_flops + profile.recompute_flops(checkpointed)
+        traffic = (
+            profile.forward_traffic
+            + profile.backward_traffic
+            + profile.recompute_traffic(checkpointed)
+        )
+        operators = (
+            profile.forward_kernels
+            + profile.backward_kernels
+            + profile.recompute_kernels(checkpointed)
+        )
+    if not r.offload:  # offload's step runs on the host: modelled with the host's figures
+        traffic += stats.step_traffic_bytes // r.shard_degree(
+            inputs.world_size, inputs.ranks_per_node
+        )
+        operators += stats.step_operators
+    device = flops / hw.flops_per_s + traffic / hw.memory_bytes_per_s
+    return max(device, operators * hw.kernel_launch_s)
 
 
 def reserve_bytes(inputs: PlanInputs, strategy: Strategy) -> int:

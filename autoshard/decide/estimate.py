@@ -44,6 +44,8 @@ class ModelStats:
             (`optimizer.step_temporary_bytes`); None: assumed as large as all gradients.
         host_step_temporary_bytes: the same for the step on the host (CPU offload), where torch's
             optimizers default to the loop; None: as `step_temporary_bytes`.
+        step_traffic_bytes: bytes the optimizer step reads and writes, unsharded, and
+        step_operators: the operators it runs (`optimizer.step_traffic`; the cost model's).
     """
 
     param_bytes: int
@@ -59,6 +61,8 @@ class ModelStats:
     # the same of each trainable parameter (each has a gradient)
     grad_rows: tuple[tuple[int, int, int], ...] = ()
     host_step_temporary_bytes: int | None = None
+    step_traffic_bytes: int = 0
+    step_operators: int = 0
 
     @property
     def root_numel(self) -> int:
@@ -74,6 +78,7 @@ def model_stats(
     input_bytes: int,
     step_temporary_bytes: int | None = None,
     host_step_temporary_bytes: int | None = None,
+    step_traffic: tuple[int, int] = (0, 0),
 ) -> ModelStats:
     params = list(model.parameters())
     return ModelStats(
@@ -88,6 +93,8 @@ def model_stats(
         input_bytes=input_bytes,
         step_temporary_bytes=step_temporary_bytes,
         host_step_temporary_bytes=host_step_temporary_bytes,
+        step_traffic_bytes=step_traffic[0],
+        step_operators=step_traffic[1],
         param_rows=tuple(_rows(p) for p in params),
         grad_rows=tuple(_rows(p) for p in params if p.requires_grad),
     )

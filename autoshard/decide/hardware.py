@@ -24,6 +24,9 @@ class Hardware:
         collective_latency_s: fixed cost of launching one collective.
         host_link_bytes_per_s: host <-> device copies under CPU offload (PCIe).
         host_memory_bytes_per_s: host memory bandwidth, which bounds the optimizer step on CPU.
+        kernel_launch_s: the least time one operator of an eager step takes, whatever its size:
+            the host's dispatch and the kernel's launch. A step of many small operators is bound
+            by it (the demo's GPT measured 13 ms a step on an H100, its FLOPs modelled at 0.0 ms).
         source: where the figures came from (constants, or which of them were measured).
     """
 
@@ -34,7 +37,17 @@ class Hardware:
     collective_latency_s: float
     host_link_bytes_per_s: float = 2.5e10  # PCIe 4.0 x16, about 80% of 32 GB/s
     host_memory_bytes_per_s: float = 2e10
+    # about a CUDA launch plus torch's dispatch of one operator on a current host
+    kernel_launch_s: float = 5e-6
     source: str = "constants for the device class"
+
+
+# The figures a measurement can give, as a plan names them
+_MEASURED = {
+    "flops_per_s": "flops",
+    "memory_bytes_per_s": "memory bytes",
+    "kernel_launch_s": "operator launch time",
+}
 
 
 @dataclass(frozen=True)
@@ -46,20 +59,22 @@ class Throughput:
         memory_bytes_per_s: device memory bandwidth, bytes read plus written per second by a
             large copy.
         where: how and where they were measured, for the plan's reasons and reports.
+        kernel_launch_s: seconds per operator of a run of tiny ones (`Hardware.kernel_launch_s`).
     """
 
     flops_per_s: float | None = None
     memory_bytes_per_s: float | None = None
     where: str = "measured"
+    kernel_launch_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("flops_per_s", "memory_bytes_per_s"):
+        for name in _MEASURED:
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(
-                    f"Throughput.{name} must be a number of per-second units or None, got "
+                    f"Throughput.{name} must be a number or None, got "
                     f"{type(value).__name__} {value!r}"
                 )
             if not math.isfinite(value) or value <= 0:
@@ -80,14 +95,10 @@ def hardware_for(
     hardware = _constants(device_type, capability, low_precision)
     if measured is None:
         return hardware
-    taken = {
-        name: value
-        for name in ("flops_per_s", "memory_bytes_per_s")
-        if (value := getattr(measured, name)) is not None
-    }
+    taken = {name: value for name in _MEASURED if (value := getattr(measured, name)) is not None}
     if not taken:
         return hardware
-    names = " and ".join(name.removesuffix("_per_s").replace("_", " ") for name in taken)
+    names = " and ".join(_MEASURED[name] for name in taken)
     return replace(hardware, **taken, source=f"{names} {measured.where}; the rest constants")
 
 

@@ -85,6 +85,54 @@ def step_temporary_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> 
     return worst
 
 
+# Passes over a parameter-sized tensor (each a read or a write) of one unfused step, per parameter,
+# read off torch/optim's single-tensor steps (the foreach ones make the same passes, list by list).
+# Adam: lerp_ of exp_avg (3), mul_ and addcmul_ of exp_avg_sq (2 + 3), sqrt, div and add_ of the
+# denominator (2 + 2 + 2), addcdiv_ of the parameter (4); AdamW's decoupled decay: a mul_ (2),
+# Adam's: the gradient added to (3). Its operators: 7, and 1 for the decay.
+_ADAM_PASSES, _ADAM_OPERATORS = 18, 7
+# torch's multi-tensor kernels take tensors in lists of a few dozen: one launch per list
+_TENSORS_PER_LAUNCH = 64
+
+
+def step_traffic(optimizer: torch.optim.Optimizer, device_type: str) -> tuple[int, int]:
+    """Bytes the optimizer step reads and writes over the unsharded trainable parameters, and
+    the operators it runs: the memory-bound and the launch-bound time of the step in the cost
+    model. A fused step (`fused=True`) reads the parameter, its gradient and each state once and
+    writes the parameter and the states; an unfused one (the loop, or foreach: torch's default on
+    CUDA) makes Adam's passes (SGD: a read-modify-write per buffer; optimizers not known here:
+    Adam's for two states, scaled by theirs), its foreach kernels taking tensors list by list."""
+    known = _known(optimizer)
+    rule = _STATES_PER_PARAM[known] if known is not None else None
+    traffic = operators = 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            continue
+        size = sum(p.numel() * p.element_size() for p in params)
+        states = rule(group) if rule is not None else _ASSUMED_STATES
+        decay = 1 if group.get("weight_decay", 0) else 0
+        lists = -(-len(params) // _TENSORS_PER_LAUNCH)
+        if group.get("fused"):
+            traffic += (3 + 2 * states) * size
+            operators += lists
+            continue
+        if known == "SGD":
+            passes, ops = 3 + 5 * states + 3 * decay, 1 + 2 * states + decay
+        elif known in ("Adam", "AdamW"):
+            passes = _ADAM_PASSES + (2 if known == "AdamW" else 3) * decay
+            ops = _ADAM_OPERATORS + decay
+        else:
+            passes = max(3, _ADAM_PASSES * states // _ASSUMED_STATES)
+            ops = max(1, _ADAM_OPERATORS * states // _ASSUMED_STATES)
+        foreach = group.get("foreach")
+        if foreach is None:
+            foreach = device_type in _FOREACH_DEVICES
+        traffic += passes * size
+        operators += ops * (lists if foreach else len(params))
+    return traffic, operators
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     """Bytes of optimizer state once every trainable parameter has taken a step, and why.
 

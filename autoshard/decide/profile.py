@@ -35,6 +35,14 @@ class ActivationProfile:
         unlike_blocks: where two blocks alike in all they hold ran different operators in the
             whole model's forward (`measure.operators`), which and how: the model is then
             traced and simulated whole, not extended from a few of its blocks.
+        block_forward_traffic: bytes each block's forward reads and writes in operators without
+            a FLOP formula (elementwise, normalisations, casts, copies: bound by the device's
+            memory bandwidth, not its FLOP/s), views left out.
+        block_forward_kernels: operators each block's forward runs, views left out: each is a
+            kernel launch, whose host-side cost bounds a step of small operators.
+        block_backward_traffic, block_backward_kernels: the same in each block's backward.
+        forward_traffic, forward_kernels: the same of the whole forward and loss.
+        backward_traffic, backward_kernels: the same of the whole backward.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -50,6 +58,14 @@ class ActivationProfile:
     flops_by_own_formula: tuple[str, ...] = ()
     flops_uncounted: tuple[str, ...] = ()
     unlike_blocks: str | None = None
+    block_forward_traffic: tuple[int, ...] = ()
+    block_forward_kernels: tuple[int, ...] = ()
+    block_backward_traffic: tuple[int, ...] = ()
+    block_backward_kernels: tuple[int, ...] = ()
+    forward_traffic: int = 0
+    forward_kernels: int = 0
+    backward_traffic: int = 0
+    backward_kernels: int = 0
 
     @property
     def other_saved_bytes(self) -> int:
@@ -79,3 +95,9 @@ class ActivationProfile:
 
     def recompute_flops(self, checkpointed: int) -> int:
         return sum(self.block_forward_flops[: max(checkpointed, 0)])
+
+    def recompute_traffic(self, checkpointed: int) -> int:
+        return sum(self.block_forward_traffic[: max(checkpointed, 0)])
+
+    def recompute_kernels(self, checkpointed: int) -> int:
+        return sum(self.block_forward_kernels[: max(checkpointed, 0)])

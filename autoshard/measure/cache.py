@@ -432,6 +432,14 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         flops_by_own_formula=tuple(map(_str, value["flops_by_own_formula"])),
         flops_uncounted=tuple(map(_str, value["flops_uncounted"])),
         unlike_blocks=None if value["unlike_blocks"] is None else _str(value["unlike_blocks"]),
+        block_forward_traffic=tuple(map(_int, value["block_forward_traffic"])),
+        block_forward_kernels=tuple(map(_int, value["block_forward_kernels"])),
+        block_backward_traffic=tuple(map(_int, value["block_backward_traffic"])),
+        block_backward_kernels=tuple(map(_int, value["block_backward_kernels"])),
+        forward_traffic=_int(value["forward_traffic"]),
+        forward_kernels=_int(value["forward_kernels"]),
+        backward_traffic=_int(value["backward_traffic"]),
+        backward_kernels=_int(value["backward_kernels"]),
     )
 
 

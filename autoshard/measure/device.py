@@ -31,6 +31,8 @@ logger = logging.getLogger("autoshard")
 _MATMUL = 4096
 _COPY_BYTES = 256 * 2**20
 _REPEATS = 5
+# A run of operators on one element each: their time is the host's dispatch and launch alone
+_TINY_OPERATORS = 200
 
 _cache: dict[tuple[int, torch.dtype], Throughput] = {}
 
@@ -55,12 +57,13 @@ def _measure(device: torch.device, dtype: torch.dtype) -> Throughput:
     with disable_current_modes(), caller_peak_kept(device):
         flops = _matmul_rate(device, dtype)
         bandwidth = _copy_rate(device)
+        launch = _launch_time(device)
     name = torch.cuda.get_device_name(device)
     where = (
         f"measured on {device} ({name}): a {_MATMUL}x{_MATMUL} {str(dtype).removeprefix('torch.')} "
-        f"matmul and a {_COPY_BYTES >> 20} MiB copy"
+        f"matmul, a {_COPY_BYTES >> 20} MiB copy and {_TINY_OPERATORS} one-element additions"
     )
-    return Throughput(flops, bandwidth, where)
+    return Throughput(flops, bandwidth, where, launch)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -73,6 +76,16 @@ def _copy_rate(device: torch.device) -> float:
     src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * _COPY_BYTES / _fastest(device, lambda: dst.copy_(src))  # each byte read, written
+
+
+def _launch_time(device: torch.device) -> float:
+    x = torch.zeros(1, device=device)
+
+    def run() -> None:
+        for _ in range(_TINY_OPERATORS):
+            x.add_(1)
+
+    return _fastest(device, run) / _TINY_OPERATORS
 
 
 def _fastest(device: torch.device, run: Callable[[], object]) -> float:
@@ -97,11 +110,16 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     constants = inputs.hardware
     slowest = min(measured, key=lambda t: t.flops_per_s or constants.flops_per_s)
     bandwidth = min(t.memory_bytes_per_s or constants.memory_bytes_per_s for t in measured)
+    launch = max(t.kernel_launch_s or constants.kernel_launch_s for t in measured)
     where = slowest.where + (f", the slowest of {len(reports)} ranks" if len(reports) > 1 else "")
     hardware = replace(
         constants,
         flops_per_s=slowest.flops_per_s or constants.flops_per_s,
         memory_bytes_per_s=bandwidth,
-        source=f"FLOP/s and memory bandwidth {where}, otherwise {constants.source}",
+        kernel_launch_s=launch,
+        source=(
+            f"FLOP/s, memory bandwidth and operator launch time {where}, otherwise "
+            f"{constants.source}"
+        ),
     )
     return replace(inputs, hardware=hardware)

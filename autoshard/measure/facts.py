@@ -19,7 +19,7 @@ from autoshard.decide.candidates import strategies_for
 from autoshard.decide.estimate import Setting, model_stats
 from autoshard.decide.hardware import hardware_for
 from autoshard.decide.job import Ranks, Work
-from autoshard.decide.optimizer import optimizer_state_bytes, step_temporary_bytes
+from autoshard.decide.optimizer import optimizer_state_bytes, step_temporary_bytes, step_traffic
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
@@ -367,6 +367,7 @@ def plan_inputs(
         batch_bytes(batch) if batch is not None else 0,
         step_temporary_bytes(optimizer, device.type),
         step_temporary_bytes(optimizer, "cpu"),  # CPU offload's step, on the host
+        step_traffic(optimizer, device.type),
     )
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4

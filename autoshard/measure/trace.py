@@ -10,7 +10,10 @@ What is measured:
   any number of checkpointed blocks is derived without tracing again;
 - forward FLOPs per block (`FlopCounterMode`), the compute term of the cost model and the price of
   recomputing a checkpointed block. No FLOP formula can abort the trace (`_FlopFormulas`): the
-  activations matter more than the count.
+  activations matter more than the count;
+- the bytes read and written by the operators without a FLOP formula, and the operators run
+  (`_Traffic`), per block and whole, forward and backward: the memory-bound and the launch-bound
+  parts of the modelled step.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from autoshard._batch import (
     tensors_in,
 )
 from autoshard._torch_compat import (
+    TorchDispatchMode,
     fake_mode,
     flop_formulas,
     raw_flop_formula,
     sdpa_flop_ops,
     storage_key,
+    tree_leaves,
     tree_map,
 )
 from autoshard.decide.profile import ActivationProfile
@@ -150,7 +155,8 @@ def profile_step(
     block_flops = [0] * len(blocks)
     formulas = _FlopFormulas()
     counter = FlopCounterMode(display=False, custom_mapping=formulas.mapping())
-    handles = _attribution_hooks(blocks, attribution, counter, block_flops)
+    traffic = _Traffic(len(blocks), frozenset(flop_formulas()))
+    handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model)
     autocast = autocast_for(device_type, autocast_dtype)
     try:
@@ -160,6 +166,7 @@ def profile_step(
             wider_fake_kernels(device_type),
             mode,
             counter,
+            traffic,
             torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack),
         ):
             with autocast:
@@ -167,11 +174,13 @@ def profile_step(
                 output = torch.func.functional_call(model, state, args, kwargs)
             loss = compute_loss(output, fake_batch, loss_fn)
             forward_flops = counter.get_total_flops()
+            forward_traffic, forward_kernels = traffic.bytes, traffic.kernels
             # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
             by_own, uncounted = sorted(formulas.by_own), sorted(formulas.uncounted)
             attribution.forward_done()
             loss.backward()
     finally:
+        traffic.done()
         for handle in handles:
             handle.remove()
     sizes = list(attribution.nbytes.values())
@@ -192,6 +201,14 @@ def profile_step(
         answers=tuple(recorder.answers().items()),
         flops_by_own_formula=tuple(by_own),
         flops_uncounted=tuple(uncounted),
+        block_forward_traffic=tuple(traffic.block_bytes),
+        block_forward_kernels=tuple(traffic.block_kernels),
+        block_backward_traffic=tuple(traffic.backward_bytes),
+        block_backward_kernels=tuple(traffic.backward_kernels),
+        forward_traffic=forward_traffic,
+        forward_kernels=forward_kernels,
+        backward_traffic=traffic.bytes - forward_traffic,
+        backward_kernels=traffic.kernels - forward_kernels,
     )
 
 
@@ -236,7 +253,11 @@ def profile_scaled(
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
         flops_by_own_formula=tuple(sorted({*one.flops_by_own_formula, *two.flops_by_own_formula})),
         flops_uncounted=tuple(sorted({*one.flops_uncounted, *two.flops_uncounted})),
-    )
+        block_forward_traffic=lines(one.block_forward_traffic, two.block_forward_traffic),
+        block_backward_traffic=lines(one.block_backward_traffic, two.block_backward_traffic),
+        forward_traffic=line(one.forward_traffic, two.forward_traffic),
+        backward_traffic=line(one.backward_traffic, two.backward_traffic),
+    )  # operators run: as at two rows (a row more runs the same kernels, only larger)
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
 
 
@@ -340,11 +361,92 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class _Traffic(TorchDispatchMode):
+    """Counts the operators run (kernels: views, which move nothing, left out) and the bytes
+    read and written by those without a FLOP formula (`flop_formulas`: matmuls, convolutions,
+    attention, which the FLOP count prices), each tensor at most its storage (a broadcast
+    operand is read once, not per element it stands for).
+
+    In all, and per block, so that a depth extension counts what the parent runs between blocks
+    as often as there are blocks: in forward, a block's figures run from the previous block's
+    end (the model's start, for the first) to its own; in backward, from where autograd reaches
+    the block's outputs to where it reaches another block's (the first block's take in what
+    follows it: the embedding's backward, which its forward figures hold too). The head and the
+    loss, after the last block, are the model's own."""
+
+    _FREE = frozenset(
+        {
+            torch.ops.prim.device,
+            torch.ops.aten.lift_fresh,
+            torch.ops.aten.empty,
+            torch.ops.aten.empty_strided,
+            torch.ops.aten.new_empty,
+            torch.ops.aten.new_empty_strided,
+            torch.ops.aten.empty_like,
+        }
+    )
+
+    def __init__(self, n_blocks: int, priced: frozenset[Any]) -> None:
+        super().__init__()
+        self.priced = priced  # operators (packets) the FLOP count prices
+        self.bytes = 0
+        self.kernels = 0
+        self.block_bytes = [0] * n_blocks
+        self.block_kernels = [0] * n_blocks
+        self.backward_bytes = [0] * n_blocks
+        self.backward_kernels = [0] * n_blocks
+        self.since = (0, 0)  # the figures where the last block ended
+        self.backward_in: int | None = None  # the block whose backward runs now
+        self.marked: set[Any] = set()  # autograd nodes that start a block's backward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if func.is_view or packet in self._FREE:
+            return out
+        moved = 0
+        if packet not in self.priced:
+            moved = sum(
+                min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                for t in tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            )
+        self.kernels += 1
+        self.bytes += moved
+        if self.backward_in is not None:
+            self.backward_kernels[self.backward_in] += 1
+            self.backward_bytes[self.backward_in] += moved
+        return out
+
+    def enter(self, index: int) -> None:
+        self.block_bytes[index] = -self.since[0]
+        self.block_kernels[index] = -self.since[1]
+
+    def leave(self, index: int, outputs: Any) -> None:
+        self.block_bytes[index] += self.bytes
+        self.block_kernels[index] += self.kernels
+        self.since = (self.bytes, self.kernels)
+        for tensor in tensors_in(outputs):
+            node = tensor.grad_fn
+            if node is not None and node not in self.marked:
+                self.marked.add(node)
+                node.register_prehook(lambda grads, index=index: self._backward_of(index))
+
+    def _backward_of(self, index: int) -> None:
+        self.backward_in = index
+
+    def done(self) -> None:
+        self.marked.clear()
+        self.backward_in = None
+
+
 def _attribution_hooks(
     blocks: list[nn.Module],
     attribution: _Attribution,
     counter: Any,
     block_flops: list[int],
+    traffic: _Traffic,
 ) -> list[Any]:
     handles = []
     for index, block in enumerate(blocks):
@@ -357,10 +459,12 @@ def _attribution_hooks(
                 if t.is_floating_point()
             )
             block_flops[index] = -counter.get_total_flops()
+            traffic.enter(index)
 
         def post(module: nn.Module, args: Any, kwargs: Any, out: Any, index: int = index) -> None:
             attribution.leave()
             block_flops[index] += counter.get_total_flops()
+            traffic.leave(index, out)
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True))
@@ -398,13 +502,27 @@ def extended(
     if len(traced) == len(block_names):
         return profile
     at = {name: i for i, name in enumerate(traced)}
-    flops = tuple(profile.block_forward_flops[at[source[n]]] for n in block_names)
+
+    def each(traced_figures: tuple[int, ...]) -> tuple[int, ...]:
+        if not traced_figures:  # a profile made without the figure
+            return ()
+        return tuple(traced_figures[at[source[n]]] for n in block_names)
+
+    def whole(total: int, traced_figures: tuple[int, ...]) -> int:
+        return total + sum(each(traced_figures)) - sum(traced_figures)
+
     return replace(
         profile,
-        block_saved_bytes=tuple(profile.block_saved_bytes[at[source[n]]] for n in block_names),
-        block_input_bytes=tuple(profile.block_input_bytes[at[source[n]]] for n in block_names),
-        block_forward_flops=flops,
-        total_forward_flops=profile.total_forward_flops
-        + sum(flops)
-        - sum(profile.block_forward_flops),
+        block_saved_bytes=each(profile.block_saved_bytes),
+        block_input_bytes=each(profile.block_input_bytes),
+        block_forward_flops=each(profile.block_forward_flops),
+        total_forward_flops=whole(profile.total_forward_flops, profile.block_forward_flops),
+        block_forward_traffic=each(profile.block_forward_traffic),
+        block_forward_kernels=each(profile.block_forward_kernels),
+        block_backward_traffic=each(profile.block_backward_traffic),
+        block_backward_kernels=each(profile.block_backward_kernels),
+        forward_traffic=whole(profile.forward_traffic, profile.block_forward_traffic),
+        forward_kernels=whole(profile.forward_kernels, profile.block_forward_kernels),
+        backward_traffic=whole(profile.backward_traffic, profile.block_backward_traffic),
+        backward_kernels=whole(profile.backward_kernels, profile.block_backward_kernels),
     )

@@ -1,0 +1,164 @@
+"""The modelled step's compute (issue 26): FLOP-bound operators, memory-bound ones, the optimizer
+step's traffic and the operators' launches (`decide.cost.compute_seconds`), and the figures the
+trace counts for it (`measure.trace._Traffic`) and the optimizer's (`decide.optimizer`)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_plan import AMPLE, BLOCKS, STATS, make_inputs, profile
+from torch import nn
+
+from autoshard import Strategy
+from autoshard.decide.cost import compute_seconds, step_seconds
+from autoshard.decide.hardware import hardware_for
+from autoshard.decide.optimizer import step_traffic
+from autoshard.measure import trace
+
+GPU = hardware_for("cuda", (9, 0), True)  # 4e14 FLOP/s, 2e12 B/s, 5e-6 s an operator
+GB = 10**9
+
+
+def _inputs(world: int, **figures: int) -> tuple[object, float]:
+    """Inputs whose profile moves the given figures; and its FLOP time on GPU (3x forward)."""
+    prof = replace(profile(256 * 2**20, 16 * 2**20, 64 * 2**20, 10**12), **figures)
+    return make_inputs(world, AMPLE, prof, hardware=GPU), 3 * prof.total_forward_flops / 4e14
+
+
+def test_memory_bound_operators_add_their_bytes_over_the_bandwidth() -> None:
+    inputs, flop_time = _inputs(1, forward_traffic=GB, backward_traffic=2 * GB, forward_kernels=10)
+    seconds = compute_seconds(inputs, Strategy.LOCAL, 0)  # type: ignore[arg-type]
+    assert math.isclose(seconds, flop_time + 3 * GB / 2e12)
+    assert step_seconds(inputs, Strategy.LOCAL, 0) == seconds  # type: ignore[arg-type]
+
+
+def test_a_step_of_many_small_operators_is_bound_by_their_launches() -> None:
+    inputs, flop_time = _inputs(1, forward_kernels=10**6, backward_kernels=2 * 10**6)
+    assert 3 * 10**6 * 5e-6 > flop_time
+    seconds = compute_seconds(inputs, Strategy.LOCAL, 0)  # type: ignore[arg-type]
+    assert math.isclose(seconds, 3 * 10**6 * 5e-6)
+
+
+def test_a_checkpointed_block_runs_its_forward_operators_again() -> None:
+    per_block = (GB,) * BLOCKS
+    inputs, _ = _inputs(1, block_forward_traffic=per_block, block_forward_kernels=(10,) * BLOCKS)
+    none, three = (compute_seconds(inputs, Strategy.LOCAL, k) for k in (0, 3))  # type: ignore[arg-type]
+    recompute_flops = 3 * 10**12 / 4e14
+    assert math.isclose(three - none, recompute_flops + 3 * GB / 2e12)
+
+
+def test_the_optimizer_step_moves_this_rank_s_shard_on_the_device_and_nothing_under_offload() -> (
+    None
+):
+    inputs, flop_time = _inputs(8)
+    stats = replace(STATS, step_traffic_bytes=80 * GB, step_operators=100)
+    inputs = replace(inputs, stats=stats)  # type: ignore[type-var]
+    ddp = compute_seconds(inputs, Strategy.DDP, 0)  # type: ignore[arg-type]
+    full = compute_seconds(inputs, Strategy.FULL_SHARD, 0)  # type: ignore[arg-type]
+    offload = compute_seconds(inputs, Strategy.CPU_OFFLOAD, 0)  # type: ignore[arg-type]
+    assert math.isclose(ddp, flop_time + 80 * GB / 2e12)
+    assert math.isclose(full, flop_time + 10 * GB / 2e12)  # an eighth on each of 8 ranks
+    assert math.isclose(offload, flop_time)  # the step runs on the host, modelled with it
+
+
+@pytest.mark.parametrize(
+    ("options", "passes", "operators"),
+    [
+        ({"fused": True}, 7, 1),  # read p, g, m, v; write p, m, v; one launch per list
+        ({"foreach": True}, 20, 8),  # Adam's 18 passes + decoupled decay's 2; 8 lists ops
+        ({"foreach": False}, 20, 8 * 3),  # the same passes, 8 operators per parameter
+    ],
+    ids=["fused", "foreach", "for-loop"],
+)
+def test_adamw_step_traffic_by_implementation(
+    options: dict[str, bool], passes: int, operators: int
+) -> None:
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 20, 30)]
+    frozen = nn.Parameter(torch.zeros(1000), requires_grad=False)
+    optimizer = torch.optim.AdamW([*params, frozen], **options)
+    size = 60 * 4
+    assert step_traffic(optimizer, "cuda") == (passes * size, operators)
+
+
+def test_torch_s_default_implementation_is_the_device_s() -> None:
+    params = [nn.Parameter(torch.zeros(8)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params)  # foreach on CUDA, the loop on CPU
+    assert step_traffic(optimizer, "cuda")[1] == 8
+    assert step_traffic(optimizer, "cpu")[1] == 8 * 3
+
+
+def test_sgd_moves_its_momentum_once() -> None:
+    param = nn.Parameter(torch.zeros(100))
+    plain = torch.optim.SGD([param], lr=0.1)
+    momentum = torch.optim.SGD([param], lr=0.1, momentum=0.9, foreach=False)
+    assert step_traffic(plain, "cpu") == (3 * 400, 1)  # p += -lr * g: read p, g, write p
+    assert step_traffic(momentum, "cpu") == (8 * 400, 3)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i < len(self.blocks) - 1:
+                x = x * 2  # the parent's, between blocks
+        return x.sum()
+
+
+def test_the_trace_counts_what_each_block_and_the_parent_between_them_move() -> None:
+    model = _Net()
+    x = torch.randn(8, 64)
+    prof = trace.profile_step(model, list(model.blocks), x, lambda out, batch: out, None)
+    activation = x.nbytes  # 8 x 64 fp32
+    # addmm (priced by its FLOPs: no bytes), relu (reads and writes one activation); the
+    # transpose of the weight is a view: no operator. Blocks after the first also hold the
+    # parent's x * 2 before them (a read and a write; the 2 is a number, not a tensor).
+    assert prof.block_forward_kernels == (2, 3, 3, 3)
+    first = 2 * activation
+    assert prof.block_forward_traffic[0] == first
+    assert prof.block_forward_traffic[1:] == (first + 2 * activation,) * 3
+    # the model's sum, after the blocks: its own
+    assert prof.forward_kernels == sum(prof.block_forward_kernels) + 1
+    assert prof.forward_traffic == sum(prof.block_forward_traffic) + activation + 4
+    # backward: the middle blocks alike (their backward and the parent's x * 2 after them),
+    # the whole more than the blocks' (the loss's)
+    assert prof.block_backward_kernels[1] == prof.block_backward_kernels[2] > 0
+    assert prof.block_backward_traffic[1] == prof.block_backward_traffic[2] > 0
+    assert prof.backward_traffic > sum(prof.block_backward_traffic)
+
+
+def test_the_benchmark_reads_a_gpu_report(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import step_model
+
+    report = tmp_path / "report.md"
+    report.write_text(
+        '`hardware_for(..., measured=Throughput(...))` gives: {"flops_per_s": 8e14, '
+        '"memory_bytes_per_s": 3e12, "source": "x"}\n\n'
+        "| model | world | strategy | AC | a | b | c | d | e | f | step (measured) | g | h |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| llama_1b | 1 | local | 0/22 | 1013M | 1 | 2 | 3 | 4 | 5 | 105.6 ms | 36.8 ms | 1 ms |\n"
+        "| llama_1b | 8 | full_shard | 22/22 | 1B | 1 | 2 | 3 | 4 | 5 | 248.9 ms | 5 ms | 5 ms |\n"
+    )
+    measured, rows = step_model.read_report(report)
+    assert (measured.flops_per_s, measured.memory_bytes_per_s) == (8e14, 3e12)
+    assert rows == [
+        {"model": "llama_1b", "strategy": "local", "checkpointed": 0, "measured_s": 0.1056}
+    ]
