@@ -52,9 +52,9 @@ def test_a_checkpointed_block_runs_its_forward_operators_again() -> None:
     assert math.isclose(three - none, recompute_flops + 3 * GB / 2e12)
 
 
-def test_the_optimizer_step_moves_this_rank_s_shard_on_the_device_and_nothing_under_offload() -> (
-    None
-):
+def test_the_optimizer_step_is_the_whole_step_s_on_the_device_and_nothing_under_offload() -> None:
+    """Not a shard's under ZeRO: FSDP2's own per-step work, which the model does not count,
+    outweighed the saving on the H100 (FULL_SHARD 1.4x to 3x LOCAL's step at world 1)."""
     inputs, flop_time = _inputs(8)
     stats = replace(STATS, step_traffic_bytes=80 * GB, step_operators=100)
     inputs = replace(inputs, stats=stats)  # type: ignore[type-var]
@@ -62,7 +62,7 @@ def test_the_optimizer_step_moves_this_rank_s_shard_on_the_device_and_nothing_un
     full = compute_seconds(inputs, Strategy.FULL_SHARD, 0)  # type: ignore[arg-type]
     offload = compute_seconds(inputs, Strategy.CPU_OFFLOAD, 0)  # type: ignore[arg-type]
     assert math.isclose(ddp, flop_time + 80 * GB / 2e12)
-    assert math.isclose(full, flop_time + 10 * GB / 2e12)  # an eighth on each of 8 ranks
+    assert full == ddp
     assert math.isclose(offload, flop_time)  # the step runs on the host, modelled with it
 
 
@@ -144,6 +144,26 @@ def test_the_trace_counts_what_each_block_and_the_parent_between_them_move() -> 
     assert prof.backward_traffic > sum(prof.block_backward_traffic)
 
 
+class _Matmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.weight)  # 3-D by 2-D: a view, mm, then _unsafe_view
+
+
+def test_a_reshape_after_a_batched_matmul_moves_nothing() -> None:
+    """A 3-D matmul's output is reshaped by `_unsafe_view`, a view torch does not mark as one:
+    no bytes, no operator."""
+    model = _Net()
+    model.blocks = nn.ModuleList(_Matmul() for _ in range(4))
+    x = torch.randn(2, 4, 64)
+    prof = trace.profile_step(model, list(model.blocks), x, lambda out, batch: out, None)
+    assert prof.block_forward_traffic[0] == 2 * x.nbytes  # the relu's read and write alone
+    assert prof.block_forward_kernels[0] == 2  # mm and relu
+
+
 def test_the_benchmark_reads_a_gpu_report(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import step_model
@@ -162,3 +182,89 @@ def test_the_benchmark_reads_a_gpu_report(tmp_path: Path) -> None:
     assert rows == [
         {"model": "llama_1b", "strategy": "local", "checkpointed": 0, "measured_s": 0.1056}
     ]
+
+
+class _SparseEmbedded(nn.Module):
+    """A recommender's sparse embedding: its gradient is a sparse tensor, which has no storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 64, sparse=True)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
+def test_a_sparse_gradient_does_not_stop_the_trace(real: bool) -> None:
+    model = _SparseEmbedded()
+    ids = torch.randint(0, 1000, (8, 16))
+    prof = trace.profile_step(model, list(model.blocks), ids, None, None, real=real)
+    assert min(prof.block_saved_bytes) > 0 and prof.backward_traffic > 0
+
+
+class _SelfCheckpointed(_Net):
+    """Checkpoints its own blocks (transformers' gradient_checkpointing_enable): in backward each
+    block's forward runs again, and its hooks with it."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.requires_grad_()
+        for i, block in enumerate(self.blocks):
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.reentrant)
+            if i < len(self.blocks) - 1:
+                x = x * 2
+        return x.sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_block_recomputed_in_backward_keeps_its_forward_figures(reentrant: bool) -> None:
+    """The recomputation ran the block's hooks again: its forward FLOPs and traffic came out
+    negative or doubled, and the modelled step near 0."""
+    figures = {}
+    for kind in (None, reentrant):
+        model = _SelfCheckpointed(kind)
+        torch.manual_seed(0)
+        prof = trace.profile_step(model, list(model.blocks), torch.randn(8, 64), None, None)
+        figures[kind] = (prof.block_forward_flops, prof.block_forward_traffic)
+    assert figures[reentrant] == figures[None]
+    assert min(figures[None][0]) > 0
+
+
+def test_under_accumulation_a_micro_batch_carries_its_share_of_the_optimizer_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The modelled step is one micro-batch's; the optimizer steps once per accumulation."""
+    import autoshard
+    from autoshard import pipeline
+
+    seen = []
+    real = pipeline.decide
+
+    def spy(inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(inputs)
+        return real(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "decide", spy)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    for steps in (1, 4):
+        optimizer = torch.optim.AdamW(model.parameters())
+        autoshard.plan(
+            model, optimizer, torch.randn(8, 64), device_memory="1GiB", accumulation_steps=steps
+        )
+    one, four = (inputs.stats for inputs in (seen[0], seen[-1]))
+    assert one.step_traffic_bytes == 20 * sum(p.nbytes for p in model.parameters())
+    assert four.step_traffic_bytes == one.step_traffic_bytes // 4
+    assert four.step_operators == -(-one.step_operators // 4)

@@ -80,17 +80,22 @@ def test_what_backward_saves_is_not_saved_by_forward() -> None:
 
 
 class _Cached(nn.Module):
-    """Builds a table on its first call and keeps it as a plain attribute (a rotary cache)."""
+    """Builds a table on its first call and keeps it as a plain attribute (a rotary cache), and
+    another in a dict by length, within a list."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(64, 64)
         self.table: torch.Tensor | None = None
+        self.by_length: list[dict[int, torch.Tensor]] = [{}]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.table is None:
             self.table = torch.arange(x.shape[-1], dtype=x.dtype).cos()
-        return x + torch.relu(self.linear(x)) * self.table
+        n = x.shape[-1]
+        if n not in self.by_length[0]:
+            self.by_length[0][n] = torch.arange(n, dtype=x.dtype).sin()
+        return x + torch.relu(self.linear(x)) * self.table * self.by_length[0][n]
 
 
 class _CachedNet(nn.Module):
@@ -116,7 +121,7 @@ def test_a_plan_leaves_what_the_forward_caches_on_the_model_as_it_was(depth: int
     model = _CachedNet(depth)
     optimizer = torch.optim.AdamW(model.parameters())
     autoshard.plan(model, optimizer, torch.randn(8, 64), world_size=2, device_memory="1GiB")
-    assert all(block.table is None for block in model.blocks)
+    assert all(block.table is None and block.by_length == [{}] for block in model.blocks)
     loss = model(torch.randn(8, 64))
     loss.backward()
     assert not isinstance(loss, FakeTensor)

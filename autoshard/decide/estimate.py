@@ -45,7 +45,8 @@ class ModelStats:
         host_step_temporary_bytes: the same for the step on the host (CPU offload), where torch's
             optimizers default to the loop; None: as `step_temporary_bytes`.
         step_traffic_bytes: bytes the optimizer step reads and writes, unsharded, and
-        step_operators: the operators it runs (`optimizer.step_traffic`; the cost model's).
+        step_operators: the operators it runs (`optimizer.step_traffic`; the cost model's),
+            both over the accumulation steps: one micro-batch's share.
     """
 
     param_bytes: int

@@ -359,6 +359,8 @@ def plan_inputs(
     model, optimizer, batch = work.model, work.optimizer, work.batch
     device, accumulation_steps = ranks.device, work.request.accumulation_steps
     opt_bytes, opt_reason = optimizer_state_bytes(optimizer)
+    # the cost model's step is one micro-batch's: the optimizer step's share of it
+    moved, operators = step_traffic(optimizer, device.type)
     stats = model_stats(
         model,
         blocks,
@@ -367,7 +369,7 @@ def plan_inputs(
         batch_bytes(batch) if batch is not None else 0,
         step_temporary_bytes(optimizer, device.type),
         step_temporary_bytes(optimizer, "cpu"),  # CPU offload's step, on the host
-        step_traffic(optimizer, device.type),
+        (-(-moved // accumulation_steps), -(-operators // accumulation_steps)),
     )
     element = max(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), default=4

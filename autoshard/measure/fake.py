@@ -161,25 +161,39 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
     attributes as they were: a forward on fake tensors that caches what it computed on its
     module (a rotary table built on first call, a stored auxiliary loss) would otherwise leave a
     fake tensor there, and the next real forward would compute on it without an error. The
-    registries of parameters, buffers and submodules are put back too (a buffer registered in
-    forward)."""
-    registries = ("_parameters", "_buffers", "_modules")
-    kept = [
-        (module, dict(vars(module)), {r: dict(getattr(module, r)) for r in registries})
-        for module in model.modules()
-    ]
+    dicts, lists and sets the modules hold (a cache keyed by length), those within them, and the
+    registries of parameters, buffers and submodules (a buffer registered in forward) are put
+    back in place. An object of another kind keeps what the forward left in it."""
+    kept: list[tuple[Any, Any]] = []  # (a container, a shallow copy of what it held)
+    seen: set[int] = set()
+
+    def keep(container: Any) -> None:
+        if id(container) in seen:
+            return
+        seen.add(id(container))
+        if isinstance(container, dict):
+            kept.append((container, dict(container)))
+            inner: Any = container.values()
+        elif isinstance(container, (list, set)):
+            kept.append((container, container.copy()))
+            inner = container
+        else:
+            return
+        for value in list(inner):
+            if isinstance(value, (dict, list, set)) and not isinstance(value, nn.Module):
+                keep(value)
+
+    for module in model.modules():
+        keep(vars(module))
     try:
         yield
     finally:
-        for module, attributes, contents in kept:
-            now = vars(module)
-            for name in [n for n in now if n not in attributes]:
-                del now[name]
-            now.update(attributes)
-            for registry, content in contents.items():
-                held = getattr(module, registry)
-                held.clear()
-                held.update(content)
+        for container, content in kept:
+            if isinstance(container, list):
+                container[:] = content
+            else:
+                container.clear()
+                container.update(content)
 
 
 @contextlib.contextmanager

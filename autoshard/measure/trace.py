@@ -374,10 +374,18 @@ class _Traffic(TorchDispatchMode):
     follows it: the embedding's backward, which its forward figures hold too). The head and the
     loss, after the last block, are the model's own."""
 
+    # no data moved: metadata, allocations, and views torch does not mark as such (the
+    # reshape after a batched matmul, in-place views)
     _FREE = frozenset(
         {
             torch.ops.prim.device,
             torch.ops.aten.lift_fresh,
+            torch.ops.aten._unsafe_view,
+            torch.ops.aten.unsqueeze_,
+            torch.ops.aten.squeeze_,
+            torch.ops.aten.t_,
+            torch.ops.aten.transpose_,
+            torch.ops.aten.as_strided_,
             torch.ops.aten.empty,
             torch.ops.aten.empty_strided,
             torch.ops.aten.new_empty,
@@ -410,8 +418,8 @@ class _Traffic(TorchDispatchMode):
             moved = sum(
                 min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
                 for t in tree_leaves((args, kwargs, out))
-                if isinstance(t, torch.Tensor)
-            )
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided
+            )  # a sparse gradient (Embedding(sparse=True)) has no storage: left out
         self.kernels += 1
         self.bytes += moved
         if self.backward_in is not None:
@@ -427,6 +435,10 @@ class _Traffic(TorchDispatchMode):
         self.block_bytes[index] += self.bytes
         self.block_kernels[index] += self.kernels
         self.since = (self.bytes, self.kernels)
+        self.mark(index, outputs)
+
+    def mark(self, index: int, outputs: Any) -> None:
+        """Autograd reaching `outputs` starts block `index`'s backward."""
         for tensor in tensors_in(outputs):
             node = tensor.grad_fn
             if node is not None and node not in self.marked:
@@ -452,6 +464,8 @@ def _attribution_hooks(
     for index, block in enumerate(blocks):
 
         def pre(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
+            if attribution.closed:  # a checkpoint's recomputation, in backward
+                return  # (the block's forward figures were taken in forward)
             attribution.enter(index)
             attribution.inputs[index] = sum(
                 t.untyped_storage().nbytes()
@@ -462,6 +476,9 @@ def _attribution_hooks(
             traffic.enter(index)
 
         def post(module: nn.Module, args: Any, kwargs: Any, out: Any, index: int = index) -> None:
+            if attribution.closed:  # its recomputed outputs start its backward
+                traffic.mark(index, out)
+                return
             attribution.leave()
             block_flops[index] += counter.get_total_flops()
             traffic.leave(index, out)
