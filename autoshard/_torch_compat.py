@@ -111,6 +111,10 @@ SYMBOLS: dict[str, Symbol] = {
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
     ),
+    # Graceful where absent: the modelled step counts its bytes and its launch (a view it is).
+    "_unsafe_view": Symbol(
+        "torch:ops.aten._unsafe_view", "the modelled step's traffic: a view not marked as one"
+    ),
     # Graceful where absent (a torch without oneDNN): the CPU counts as having no native bf16.
     "_is_mkldnn_bf16_supported": Symbol(
         "torch:ops.mkldnn._is_mkldnn_bf16_supported", "choosing bf16 or fp16 on CPU"

@@ -40,6 +40,7 @@ from autoshard._torch_compat import (
     TorchDispatchMode,
     fake_mode,
     flop_formulas,
+    op_overload,
     raw_flop_formula,
     sdpa_flop_ops,
     storage_key,
@@ -361,6 +362,9 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_UNSAFE_VIEW = op_overload("_unsafe_view")  # the reshape after a batched matmul
+
+
 class _Traffic(TorchDispatchMode):
     """Counts the operators run (kernels: views, which move nothing, left out) and the bytes
     read and written by those without a FLOP formula (`flop_formulas`: matmuls, convolutions,
@@ -380,7 +384,7 @@ class _Traffic(TorchDispatchMode):
         {
             torch.ops.prim.device,
             torch.ops.aten.lift_fresh,
-            torch.ops.aten._unsafe_view,
+            *([] if _UNSAFE_VIEW is None else [_UNSAFE_VIEW.overloadpacket]),
             torch.ops.aten.unsqueeze_,
             torch.ops.aten.squeeze_,
             torch.ops.aten.t_,
