@@ -128,6 +128,31 @@ def test_a_plan_leaves_what_the_forward_caches_on_the_model_as_it_was(depth: int
     assert not isinstance(model.blocks[0].linear.weight.grad, FakeTensor)
 
 
+@pytest.mark.parametrize("depth", [4, 16], ids=["traced_whole", "operators_checked"])
+def test_a_plan_holds_no_reference_to_the_model_s_parameters_once_it_returns(depth: int) -> None:
+    """What the model held before the run on fake tensors is kept to put it back: held past the
+    call (a reference cycle waiting for the collector), the parameters FSDP then replaced with
+    their shards stayed alive whole (seen: 3.3 MiB more than planned in a 26.6 MiB step on 2
+    ranks)."""
+    import gc
+    import weakref
+
+    import autoshard
+
+    model = _CachedNet(depth)
+    optimizer = torch.optim.AdamW(model.parameters())
+    replaced = weakref.ref(model.blocks[0].linear.weight)
+    gc.collect()
+    gc.disable()  # the collector would free a cycle at a moment of its own choosing
+    try:
+        autoshard.plan(model, optimizer, torch.randn(8, 64), world_size=2, device_memory="1GiB")
+        optimizer.param_groups[0]["params"].remove(model.blocks[0].linear.weight)
+        model.blocks[0].linear.weight = nn.Parameter(torch.zeros(64, 64))  # as FSDP does
+        assert replaced() is None
+    finally:
+        gc.enable()
+
+
 def test_a_storage_taking_a_freed_one_s_key_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys are storages' addresses: a freed storage's may be taken by the next one allocated
     (the allocator reuses it), which must be counted, as the freed one must not."""

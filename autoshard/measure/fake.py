@@ -164,27 +164,29 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
     dicts, lists and sets the modules hold (a cache keyed by length), those within them, and the
     registries of parameters, buffers and submodules (a buffer registered in forward) are put
     back in place. An object of another kind keeps what the forward left in it."""
+    # No recursive closure: a function that calls itself is a reference cycle, and the copies
+    # (the user's parameters among them) would outlive this call until the next collection,
+    # after FSDP has replaced the parameters with their shards (seen: 3.3 MiB of a 26.6 MiB
+    # step still held).
     kept: list[tuple[Any, Any]] = []  # (a container, a shallow copy of what it held)
     seen: set[int] = set()
-
-    def keep(container: Any) -> None:
+    pending: list[Any] = [vars(module) for module in model.modules()]
+    while pending:
+        container = pending.pop()
         if id(container) in seen:
-            return
+            continue
         seen.add(id(container))
         if isinstance(container, dict):
             kept.append((container, dict(container)))
             inner: Any = container.values()
-        elif isinstance(container, (list, set)):
+        else:
             kept.append((container, container.copy()))
             inner = container
-        else:
-            return
-        for value in list(inner):
-            if isinstance(value, (dict, list, set)) and not isinstance(value, nn.Module):
-                keep(value)
-
-    for module in model.modules():
-        keep(vars(module))
+        pending.extend(
+            value
+            for value in inner
+            if isinstance(value, (dict, list, set)) and not isinstance(value, nn.Module)
+        )
     try:
         yield
     finally:
@@ -194,6 +196,7 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
             else:
                 container.clear()
                 container.update(content)
+        kept.clear()
 
 
 @contextlib.contextmanager
