@@ -62,6 +62,7 @@ from autoshard.measure.facts import (
     with_resident,
     worst,
 )
+from autoshard.measure.fake import caches_emptied
 from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
@@ -110,7 +111,13 @@ class _Gathered:
 
 
 def run(call: Call, target: Target) -> tuple[Decision, Work]:
-    """Gather, agree, simulate, decide: the same decision on every rank of a job."""
+    """Gather, agree, simulate, decide: the same decision on every rank of a job. What the
+    model's code cached in function caches on fake tensors meanwhile is forgotten."""
+    with caches_emptied(call.model):
+        return _run(call, target)
+
+
+def _run(call: Call, target: Target) -> tuple[Decision, Work]:
     here: dict[str, _Gathered] = {}
 
     def gather_here() -> RankReport:

@@ -567,6 +567,27 @@ def test_profile_step_leaves_the_model_and_the_rng_untouched() -> None:
     assert not model.blocks[0]._forward_hooks
 
 
+def test_a_plan_leaves_python_s_random_number_generator_as_it_was() -> None:
+    """torch's fake collectives, in the simulation, draw their work ids from Python's `random`:
+    every plan moved the user's stream (data shuffling, augmentation seeded through it)."""
+    import random
+
+    import autoshard
+
+    model = uniform_net()
+    random.seed(0)
+    state = random.getstate()
+    autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.randn(BATCH, 16),
+        world_size=2,
+        device_memory="1GiB",
+        strategy="full_shard",
+    )
+    assert random.getstate() == state
+
+
 def test_profile_step_leaves_buffers_untouched() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     model.train()

@@ -5,6 +5,9 @@ the operator check, on the user's own model leaves it as it was."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -79,15 +82,26 @@ def test_what_backward_saves_is_not_saved_by_forward() -> None:
     assert saved == sum(profile.block_input_bytes[1:])  # each block's input but the batch
 
 
+class _NoUpdate(dict):  # type: ignore[type-arg]
+    """A dict that forbids `update`, as transformers' `ModelOutput` does."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("update is not allowed")
+
+
 class _Cached(nn.Module):
-    """Builds a table on its first call and keeps it as a plain attribute (a rotary cache), and
-    another in a dict by length, within a list."""
+    """Builds a table on its first call and keeps it as a plain attribute (a rotary cache),
+    another in a dict by length, within a list, and appends what it computed to a list within a
+    tuple. Holds an earlier output in a dict that forbids `update`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(64, 64)
         self.table: torch.Tensor | None = None
         self.by_length: list[dict[int, torch.Tensor]] = [{}]
+        self.pair: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self.last = _NoUpdate(hidden=torch.zeros(2))
+        self.data_dependent = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.table is None:
@@ -95,13 +109,19 @@ class _Cached(nn.Module):
         n = x.shape[-1]
         if n not in self.by_length[0]:
             self.by_length[0][n] = torch.arange(n, dtype=x.dtype).sin()
-        return x + torch.relu(self.linear(x)) * self.table * self.by_length[0][n]
+        y = torch.relu(self.linear(x))
+        self.pair[0].append(y.detach())
+        if self.data_dependent and bool(y.sum() < 0):  # fake tensors cannot answer it
+            y = -y
+        return x + y * self.table * self.by_length[0][n]
 
 
 class _CachedNet(nn.Module):
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, data_dependent: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Cached() for _ in range(depth))
+        for block in self.blocks:
+            block.data_dependent = data_dependent
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -109,19 +129,31 @@ class _CachedNet(nn.Module):
         return x.sum()
 
 
-@pytest.mark.parametrize("depth", [4, 16], ids=["traced_whole", "operators_checked"])
-def test_a_plan_leaves_what_the_forward_caches_on_the_model_as_it_was(depth: int) -> None:
+@pytest.mark.parametrize(
+    ("depth", "data_dependent"),
+    [(4, False), (16, False), (4, True)],
+    ids=["traced_whole", "operators_checked", "traced_for_real"],
+)
+def test_a_plan_leaves_what_the_forward_caches_on_the_model_as_it_was(
+    depth: int, data_dependent: bool
+) -> None:
     """The trace (4 blocks) and the operator check (16: the whole model's forward) run the
     user's own model on fake tensors: a table cached on first call stayed a fake tensor, and
-    the next real forward, and its gradients, were fake, with no error."""
+    the next real forward, and its gradients, were fake, with no error. A forward fake tensors
+    cannot run is run for real, on the whole batch, then traced on real tensors: what it cached
+    stayed too."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     import autoshard
 
-    model = _CachedNet(depth)
+    model = _CachedNet(depth, data_dependent)
     optimizer = torch.optim.AdamW(model.parameters())
-    autoshard.plan(model, optimizer, torch.randn(8, 64), world_size=2, device_memory="1GiB")
+    plan = autoshard.plan(model, optimizer, torch.randn(8, 64), world_size=2, device_memory="1GiB")
     assert all(block.table is None and block.by_length == [{}] for block in model.blocks)
+    assert all(block.pair == ([], []) for block in model.blocks)
+    # left as it was, and the trace not stopped by it (activations were then left out)
+    assert all(list(block.last) == ["hidden"] for block in model.blocks)
+    assert not any("not estimated" in reason for reason in plan.reasons), plan.reasons
     loss = model(torch.randn(8, 64))
     loss.backward()
     assert not isinstance(loss, FakeTensor)
@@ -151,6 +183,99 @@ def test_a_plan_holds_no_reference_to_the_model_s_parameters_once_it_returns(dep
         assert replaced() is None
     finally:
         gc.enable()
+
+
+class _ReentrantNet(nn.Module):
+    """Checkpoints its own blocks with use_reentrant=True (torch's default where the argument is
+    not given; timm, older code): each block's forward runs again inside backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.requires_grad_()
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
+def test_a_block_recomputed_in_backward_runs_on_the_traced_parameters(real: bool) -> None:
+    """Backward too runs on the tensors put in the parameters' place: the recomputation ran on
+    the model's own, which were given gradients (fake ones, or real ones added to the user's)
+    while the traced parameters got none and were all reported unused (DDP was then built with
+    find_unused_parameters, which fails on a reentrant checkpoint's first backward)."""
+    model = _ReentrantNet()
+    blocks = list(model.blocks)
+    profile = trace.profile_step(model, blocks, torch.randn(8, 32), None, None, real=real)
+    assert profile.unused_parameters == ()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(nbytes > 0 for nbytes in profile.block_input_bytes)
+
+
+@functools.cache
+def _positions(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32)
+
+
+def _method_cache(method: Any) -> Any:
+    """Caches a method behind a wrapper, as transformers' `compile_compatible_method_lru_cache`
+    does (BEiT's relative position index): the cache is in the wrapper's closure."""
+    cached = functools.lru_cache(maxsize=None)(method)
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return cached(*args, **kwargs)
+
+    return wrapper
+
+
+class _Indexed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    @_method_cache
+    def index(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32).sin()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        return self.linear(x) * _positions(n) + self.index(n)
+
+
+class _IndexedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Indexed() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_a_plan_leaves_no_fake_tensor_in_the_model_s_function_caches() -> None:
+    """A function cache of the model's code filled on fake tensors answered every later real
+    call with the fake tensor: the user's loss and gradients were fake, with no error
+    (transformers' BEiT)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import autoshard
+
+    _positions.cache_clear()
+    model = _IndexedNet()
+    optimizer = torch.optim.AdamW(model.parameters())
+    autoshard.plan(model, optimizer, torch.randn(8, 16), world_size=2, device_memory="1GiB")
+    assert not isinstance(_positions(16), FakeTensor)
+    assert not isinstance(model.blocks[0].index(16), FakeTensor)
+    loss = model(torch.randn(8, 16))
+    loss.backward()
+    assert not isinstance(loss, FakeTensor)
+    assert not isinstance(model.blocks[0].linear.weight.grad, FakeTensor)
 
 
 def test_a_storage_taking_a_freed_one_s_key_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure import cache
-from autoshard.measure.fake import shallow_copy
+from autoshard.measure.fake import attributes_kept, shallow_copy
 from autoshard.measure.layout import SHALLOW, Layout, repeats
 from autoshard.measure.operators import first_unlike
 from autoshard.measure.quiet import own_runs_quiet
@@ -150,7 +150,8 @@ def _measure(
     except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
         return Measured(None, "", _not_callable(error))
     except Exception as error:  # data-dependent control flow and the like cannot be traced
-        real = forward_error(model, batch, dtype)
+        with attributes_kept(model):  # what its forward caches on the model is put back
+            real = forward_error(model, batch, dtype)
         if real is not None and _on_meta(model, batch) and needs_real_values(error):
             # on meta the "real" forward cannot give values either: it says nothing of the batch
             return Measured(None, "", _needs_real_values(model, error, real, batch))

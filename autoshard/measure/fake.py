@@ -4,8 +4,13 @@ do nothing."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import functools
+import random
+import sys
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -155,22 +160,29 @@ def unavailable() -> str | None:
     return None
 
 
+# What `attributes_kept` puts back: the builtin kinds, whose `clear`, `update` and slice
+# assignment do what they say (a module's registries are dicts and OrderedDicts)
+_CONTAINERS = frozenset({dict, collections.OrderedDict, collections.defaultdict, list, set})
+
+
 @contextlib.contextmanager
 def attributes_kept(model: nn.Module) -> Iterator[None]:
     """Runs the user's own model (the trace, the operator check) and puts back every module's
     attributes as they were: a forward on fake tensors that caches what it computed on its
     module (a rotary table built on first call, a stored auxiliary loss) would otherwise leave a
     fake tensor there, and the next real forward would compute on it without an error. The
-    dicts, lists and sets the modules hold (a cache keyed by length), those within them, and the
-    registries of parameters, buffers and submodules (a buffer registered in forward) are put
-    back in place. An object of another kind keeps what the forward left in it."""
+    dicts, lists and sets the modules hold (a cache keyed by length), those within them and
+    within tuples, and the registries of parameters, buffers and submodules (a buffer registered
+    in forward) are put back in place. Only containers of the builtin kinds are: a subclass may
+    forbid `update` (transformers' `ModelOutput`, which the restore then left empty) or mean
+    something else by it. An object of another kind keeps what the forward left in it."""
     # No recursive closure: a function that calls itself is a reference cycle, and the copies
     # (the user's parameters among them) would outlive this call until the next collection,
     # after FSDP has replaced the parameters with their shards (seen: 3.3 MiB of a 26.6 MiB
     # step still held).
     kept: list[tuple[Any, Any]] = []  # (a container, a shallow copy of what it held)
     seen: set[int] = set()
-    pending: list[Any] = [vars(module) for module in model.modules()]
+    pending: list[Any] = [vars(module) for module in model.modules()]  # plain dicts
     while pending:
         container = pending.pop()
         if id(container) in seen:
@@ -179,13 +191,15 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
         if isinstance(container, dict):
             kept.append((container, dict(container)))
             inner: Any = container.values()
+        elif isinstance(container, tuple):  # unchangeable, but what it holds may change
+            inner = container
         else:
             kept.append((container, container.copy()))
             inner = container
         pending.extend(
             value
             for value in inner
-            if isinstance(value, (dict, list, set)) and not isinstance(value, nn.Module)
+            if type(value) in _CONTAINERS or isinstance(value, tuple)  # a named tuple too
         )
     try:
         yield
@@ -200,13 +214,73 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def caches_emptied(model: Any) -> Iterator[None]:
+    """Empties, on the way out, each function cache (`functools.lru_cache`, `functools.cache`)
+    of the model's code that the planning filled: a cached function computes a tensor once per
+    key, and on fake tensors it kept a fake one, which every later real forward of the process
+    then computed with, without an error (transformers' BEiT builds its relative position index
+    so: the user's training ran on fake tensors, its loss and gradients fake). The caches looked
+    at are those of the modules' classes (methods, also behind a decorator's closure, as
+    transformers' `compile_compatible_method_lru_cache` keeps them) and of the modules that
+    define those classes: a cache elsewhere (a helper module of the user's) is not seen. A cache
+    the planning did not fill (no miss) is left as it was."""
+    caches = _function_caches(model) if isinstance(model, nn.Module) else []
+    misses = [cache.cache_info().misses for cache in caches]
+    try:
+        yield
+    finally:
+        for cache, before in zip(caches, misses, strict=True):
+            if cache.cache_info().misses != before:
+                cache.cache_clear()
+
+
+def _function_caches(model: nn.Module) -> list[Any]:
+    classes = {klass for module in model.modules() for klass in type(module).__mro__}
+    defined_in = {sys.modules.get(klass.__module__) for klass in classes} - {None}
+    found: dict[int, Any] = {}
+    for owner in [*classes, *defined_in]:
+        for value in list(vars(owner).values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, types.FunctionType):  # a decorator's wrapper: its closure
+                candidates = [_content(cell) for cell in value.__closure__ or ()]
+            else:
+                candidates = [value]
+            found.update((id(c), c) for c in candidates if isinstance(c, _FUNCTION_CACHE))
+    return list(found.values())
+
+
+# What `functools.lru_cache` and `functools.cache` make of a function
+_FUNCTION_CACHE = type(functools.lru_cache(maxsize=None)(lambda: None))
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
+
+
+@contextlib.contextmanager
 def fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
     """A DeviceMesh over a fake process group of `world_size` ranks, this process being `rank`.
 
     Inside a job (a process group exists) the fake group is a new group over the real ranks:
     every rank must call this at the same point, as for any `new_group`. Without one, a fake
-    default group is created and destroyed again.
+    default group is created and destroyed again. Python's random number generator is left as
+    it was: torch's fake collectives draw their work ids from it (`random.randint`), which moved
+    the user's stream at every plan.
     """
+    state = random.getstate()
+    try:
+        with _fake_mesh(world_size, rank, device_type) as mesh:
+            yield mesh
+    finally:
+        random.setstate(state)
+
+
+@contextlib.contextmanager
+def _fake_mesh(world_size: int, rank: int, device_type: str) -> Iterator[Any]:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     store = fake_store()  # importing the fake group registers the "fake" backend, used below

@@ -160,6 +160,20 @@ def profile_step(
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model)
     autocast = autocast_for(device_type, autocast_dtype)
+    taken: dict[str, Any] = {}  # the forward's figures, taken before backward
+
+    def step(model: nn.Module) -> None:
+        with autocast:
+            args, kwargs = split_batch(fake_batch)
+            output = model(*args, **kwargs)
+        loss = compute_loss(output, fake_batch, loss_fn)
+        taken["flops"] = counter.get_total_flops()
+        taken["traffic"] = traffic.bytes, traffic.kernels
+        # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
+        taken["formulas"] = sorted(formulas.by_own), sorted(formulas.uncounted)
+        attribution.forward_done()
+        loss.backward()
+
     try:
         with (
             torch.random.fork_rng(devices=[], enabled=real),
@@ -170,16 +184,11 @@ def profile_step(
             traffic,
             torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack),
         ):
-            with autocast:
-                args, kwargs = split_batch(fake_batch)
-                output = torch.func.functional_call(model, state, args, kwargs)
-            loss = compute_loss(output, fake_batch, loss_fn)
-            forward_flops = counter.get_total_flops()
-            forward_traffic, forward_kernels = traffic.bytes, traffic.kernels
-            # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
-            by_own, uncounted = sorted(formulas.by_own), sorted(formulas.uncounted)
-            attribution.forward_done()
-            loss.backward()
+            # backward too runs on `state`: a block checkpointed with use_reentrant=True runs its
+            # forward again in backward, which on the model's own parameters gave them (fake)
+            # gradients and left the traced ones without (all reported unused)
+            prefixed = {f"model.{name}": tensor for name, tensor in state.items()}
+            torch.func.functional_call(_Step(model, step), prefixed, ())
     finally:
         traffic.done()
         for handle in handles:
@@ -192,7 +201,7 @@ def profile_step(
         after_saved_bytes=attribution.saved_by("after"),
         largest_saved_bytes=max(sizes, default=0),
         block_forward_flops=tuple(block_flops),
-        total_forward_flops=forward_flops,
+        total_forward_flops=taken["flops"],
         compute_dtype=autocast_dtype or _param_dtype(model),
         unused_parameters=tuple(
             name
@@ -200,16 +209,16 @@ def profile_step(
             if param.requires_grad and state[name].grad is None
         ),
         answers=tuple(recorder.answers().items()),
-        flops_by_own_formula=tuple(by_own),
-        flops_uncounted=tuple(uncounted),
+        flops_by_own_formula=tuple(taken["formulas"][0]),
+        flops_uncounted=tuple(taken["formulas"][1]),
         block_forward_traffic=tuple(traffic.block_bytes),
         block_forward_kernels=tuple(traffic.block_kernels),
         block_backward_traffic=tuple(traffic.backward_bytes),
         block_backward_kernels=tuple(traffic.backward_kernels),
-        forward_traffic=forward_traffic,
-        forward_kernels=forward_kernels,
-        backward_traffic=traffic.bytes - forward_traffic,
-        backward_kernels=traffic.kernels - forward_kernels,
+        forward_traffic=taken["traffic"][0],
+        forward_kernels=taken["traffic"][1],
+        backward_traffic=traffic.bytes - taken["traffic"][0],
+        backward_kernels=traffic.kernels - taken["traffic"][1],
     )
 
 
@@ -349,6 +358,20 @@ def _attention_shape(
     if not fits:
         raise ValueError(f"attention shapes q={query}, k={key}, v={value} do not fit")
     return batch, heads, q_len, dim
+
+
+class _Step(nn.Module):
+    """The user's model as a child (its names under `model.`), and a whole step of it as the
+    forward: under `torch.func.functional_call` the model computes on the tensors put in its
+    place until the step ends, backward included."""
+
+    def __init__(self, model: nn.Module, step: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.step = step
+
+    def forward(self) -> None:
+        self.step(self.model)
 
 
 def fake_parameter(mode: Any, param: torch.Tensor) -> torch.Tensor:
