@@ -404,6 +404,39 @@ def test_a_batch_whose_shapes_do_not_fit_a_meta_model_is_refused_by_plan() -> No
     assert "(4, 9) float32" in str(info.value)
 
 
+class MixesUnderAutocast(nn.Module):
+    """Routes rows by their values (`nonzero`: fake tensors cannot run it, so the forward runs
+    for real), then sums them into a fp32 buffer in place: under autocast the linear's output
+    is bf16, and `index_add_` refuses to mix them (DBRX's experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        rows = (x[:, 0] > -1e9).nonzero().squeeze(1)  # every row
+        out = torch.zeros(x.shape[0], 8, device=x.device)
+        return out.index_add_(0, rows, h[rows]).sum()
+
+
+def test_a_forward_that_fails_only_under_autocast_is_not_blamed_on_the_batch() -> None:
+    model = MixesUnderAutocast()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="raises under autocast to bfloat16") as info:
+        autoshard.plan(
+            model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="bf16"
+        )
+    message = str(info.value)
+    assert "index_add_" in message and "mixed_precision='no'" in message
+    assert "does not fit the model" not in message, message
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="no"
+    )
+    assert plan.mixed_precision.value == "no"
+
+
 class ReadsBack(nn.Module):
     """A forward that branches on a value of its tensors: fake and meta tensors have none."""
 

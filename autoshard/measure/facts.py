@@ -152,9 +152,12 @@ def _measure(
     except Exception as error:  # data-dependent control flow and the like cannot be traced
         with attributes_kept(model):  # what its forward caches on the model is put back
             real = forward_error(model, batch, dtype)
+            plain = real if real is None or dtype is None else forward_error(model, batch, None)
         if real is not None and _on_meta(model, batch) and needs_real_values(error):
             # on meta the "real" forward cannot give values either: it says nothing of the batch
             return Measured(None, "", _needs_real_values(model, error, real, batch))
+        if real is not None and plain is None:  # it runs, but not under autocast
+            return Measured(None, "", _fails_under_autocast(real, dtype))
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
         with autograd_on():
@@ -291,6 +294,16 @@ def _does_not_fit(error: Exception, batch: Any) -> str:
         f"({_first_line(error)}); the batch holds tensors of shapes {_shapes(batch)}: check "
         f"them against what the model expects (a tuple/list is passed as positional arguments, "
         f"a Mapping as keyword ones)"
+    )
+
+
+def _fails_under_autocast(error: Exception, dtype: torch.dtype | None) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"the model's forward raises under autocast to {name} ({_first_line(error)}), and runs "
+        f"without it: an operator of the model mixes dtypes autocast leaves apart (an in-place "
+        f"one between an fp32 tensor and a {name} one, say). Pass mixed_precision='no', or cast "
+        f"where the model mixes them"
     )
 
 
