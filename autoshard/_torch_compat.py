@@ -99,7 +99,9 @@ SYMBOLS: dict[str, Symbol] = {
         "torch.distributed.distributed_c10d:_get_default_store", "agreement between ranks"
     ),
     # Graceful where absent: no fp32 fake kernel is installed (nothing runs through it).
-    "_grouped_mm": Symbol("torch:ops.aten._grouped_mm", "fp32 _grouped_mm fakes (MoE experts)"),
+    "_grouped_mm": Symbol(
+        "torch:ops.aten._grouped_mm", "fp32 _grouped_mm fakes and its FLOPs (MoE experts)"
+    ),
     # Graceful where absent: the simulation holds no gloo buffer for that collective.
     "_allgather_base_": Symbol(
         "torch:ops.c10d._allgather_base_", "gloo's buffers in the simulation (all-gather)"
@@ -129,14 +131,20 @@ SYMBOLS: dict[str, Symbol] = {
     ),
     # Graceful where absent: that kernel's FLOPs have only torch's formula (else count 0).
     **{
-        name: Symbol(f"torch:ops.aten.{name}", "FLOPs of grouped-query attention (torch 2.11)")
+        name: Symbol(
+            f"torch:ops.aten.{name}",
+            "FLOPs of fused attention torch cannot count (grouped-query on torch 2.11, the CPU "
+            "kernel before 2.15)",
+        )
         for name in (
             "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_efficient_attention_backward",
             "_scaled_dot_product_flash_attention_backward",
             "_scaled_dot_product_cudnn_attention_backward",
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
         )
     },
     # Graceful where absent: nothing is patched (the simulation then counts what it makes).
@@ -571,9 +579,9 @@ def raw_flop_formula(formula: Callable[..., int]) -> Callable[..., int]:
 
 
 def sdpa_flop_ops() -> dict[Any, bool]:
-    """The fused attention operators (packets) whose FLOPs torch 2.11 cannot count under
-    grouped-query attention, each with whether it is a backward; those this torch lacks left out.
-    """
+    """The fused attention operators (packets) whose FLOPs torch cannot count (torch 2.11 under
+    grouped-query attention; the CPU kernel, which has no formula before torch 2.15), each with
+    whether it is a backward; those this torch lacks left out."""
     ops = {}
     for name in SYMBOLS:
         if name.startswith("_scaled_dot_product_"):

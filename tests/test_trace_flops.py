@@ -130,9 +130,9 @@ class _GQAttention(nn.Module):
 def test_a_gqa_model_is_traced_with_its_attention_flops() -> None:
     """The code path that failed on torch 2.11 before issue 22 (the assertion aborted the trace
     and the activations were lost), on CPU. `F.scaled_dot_product_attention` cannot reach it on
-    CPU: there it runs `_scaled_dot_product_flash_attention_for_cpu`, which torch 2.11-2.13 count
-    as 0 FLOPs without raising. So the model calls the fused operator CUDA runs by name; on fake
-    tensors its meta kernel runs on CPU and the counter meets it as it does on a GPU."""
+    CPU: there it runs `_scaled_dot_product_flash_attention_for_cpu`, for which torch 2.11-2.13
+    have no formula (see the next test). So the model calls the fused operator CUDA runs by
+    name; on fake tensors its meta kernel runs on CPU and the counter meets it as on a GPU."""
     model = nn.Sequential(_GQAttention(), _GQAttention())
     batch = torch.randn(2, 8, 16)  # 2 sequences of 8 tokens
     profile = profile_step(model, list(model), batch, _sum_loss, None)
@@ -149,6 +149,59 @@ def test_a_gqa_model_is_traced_with_its_attention_flops() -> None:
         assert profile.flops_by_own_formula == ("aten._scaled_dot_product_flash_attention",)
     else:
         assert profile.flops_by_own_formula == ()
+
+
+class _Attention(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.unflatten(-1, (4, 8)).transpose(1, 2)  # 4 heads of 8
+        out = nn.functional.scaled_dot_product_attention(q, q, q)
+        return out.transpose(1, 2).flatten(-2)
+
+
+def test_attention_on_the_cpu_is_counted_as_flops_not_traffic() -> None:
+    """On CPU, `F.scaled_dot_product_attention` runs `_scaled_dot_product_flash_attention_for_cpu`,
+    which torch has no formula for before 2.15: counted 0 FLOPs, silently, and its bytes as
+    memory traffic (a plan for GPUs made on a CPU host, a model traced on the CPU). autoshard's
+    formula counts it as torch counts the other fused kernels."""
+    model = nn.Sequential(nn.Linear(32, 32), _Attention())
+    batch = torch.randn(2, 16, 32)
+    profile = profile_step(model, [model[1]], batch, _sum_loss, None)
+    assert profile.block_forward_flops == (sdpa_flops((2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8)),)
+    assert profile.flops_uncounted == ()
+    assert profile.block_forward_traffic == (0,)  # a view and the attention: nothing unpriced
+
+
+class _Experts(nn.Module):
+    """4 experts of 16 -> 24 features, each given 8 of 32 token rows (a mixture of experts'
+    expert matmuls, as transformers runs them: `torch._grouped_mm`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16, 24))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(8, 33, 8, dtype=torch.int32, device=x.device)
+        return torch._grouped_mm(x, self.weight, offs=offsets)
+
+
+def test_grouped_mm_flops_match_a_hand_count() -> None:
+    """`_grouped_mm` has no formula in torch: a mixture of experts' expert matmuls, most of its
+    FLOPs, counted 0 and priced as memory traffic."""
+    from autoshard.measure.trace import _grouped_mm_flops
+
+    def shapes(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+        return _grouped_mm_flops((torch.empty(a, device="meta"), torch.empty(b, device="meta")))
+
+    assert shapes((32, 16), (4, 16, 24)) == 2 * 32 * 16 * 24  # rows split among 4 experts
+    assert shapes((4, 8, 16), (4, 16, 24)) == 4 * 2 * 8 * 16 * 24  # batched
+    assert shapes((16, 32), (32, 24)) == 2 * 16 * 32 * 24  # weight gradient: groups along K
+    assert shapes((4, 8, 16), (16, 96)) == 2 * 8 * 16 * 96  # groups along N
+    assert shapes((16,), (16, 24)) is None
+
+    model = nn.Sequential(_Experts())
+    profile = profile_step(model, list(model), torch.randn(32, 16), _sum_loss, None)
+    assert profile.block_forward_flops == (2 * 32 * 16 * 24,)
+    assert profile.flops_uncounted == ()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

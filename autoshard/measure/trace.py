@@ -19,6 +19,7 @@ What is measured:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from autoshard._torch_compat import (
     TorchDispatchMode,
     fake_mode,
     flop_formulas,
+    grouped_mm,
     op_overload,
     raw_flop_formula,
     sdpa_flop_ops,
@@ -155,8 +157,9 @@ def profile_step(
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     formulas = _FlopFormulas()
-    counter = FlopCounterMode(display=False, custom_mapping=formulas.mapping())
-    traffic = _Traffic(len(blocks), frozenset(flop_formulas()))
+    priced = formulas.mapping()
+    counter = FlopCounterMode(display=False, custom_mapping=priced)
+    traffic = _Traffic(len(blocks), frozenset(priced))
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model)
     autocast = autocast_for(device_type, autocast_dtype)
@@ -283,8 +286,32 @@ class _FlopFormulas:
         self.uncounted: set[str] = set()
 
     def mapping(self) -> dict[Any, Callable[..., int]]:
-        """`FlopCounterMode`'s custom_mapping: every operator torch counts, guarded."""
-        return {op: self._guarded(op, formula) for op, formula in flop_formulas().items()}
+        """`FlopCounterMode`'s custom_mapping: every operator torch counts, guarded, and those
+        torch has no formula for and autoshard has: fused attention's CPU kernel (before torch
+        2.15) and `_grouped_mm` (a mixture of experts' expert matmuls). Without them their
+        FLOPs counted 0, silently, and their bytes as memory traffic."""
+        mapping = {op: self._guarded(op, formula) for op, formula in flop_formulas().items()}
+        own: dict[Any, Callable[[tuple[Any, ...]], int | None]] = {
+            op: functools.partial(_own_sdpa_flops, backward=backward)
+            for op, backward in self.sdpa.items()
+        }
+        grouped = grouped_mm()
+        if grouped is not None:
+            own[grouped.overloadpacket] = _grouped_mm_flops
+        for op, formula in own.items():
+            if op not in mapping:
+                mapping[op] = self._own(op, formula)
+        return mapping
+
+    def _own(self, op: Any, formula: Callable[[tuple[Any, ...]], int | None]) -> Callable[..., int]:
+        def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            flops = formula(args)
+            if flops is None:
+                self.uncounted.add(str(op))
+                return 0
+            return flops
+
+        return raw_flop_formula(count)
 
     def _guarded(self, op: Any, formula: Callable[..., int]) -> Callable[..., int]:
         def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -303,6 +330,24 @@ class _FlopFormulas:
             return 0
         self.by_own.add(str(op))
         return flops
+
+
+def _grouped_mm_flops(args: tuple[Any, ...]) -> int | None:
+    """`_grouped_mm(a, b, offs)`: 2 FLOPs per multiply-add over the groups, every row of `a`
+    counted (a group's rows are where `offs` puts them). a (M, K) with b (G, K, N): the experts'
+    forward; a (G, M, K) with b (G, K, N): batched; a (G, M, K) with b (K, N) and a (M, K) with
+    b (K, N), the groups along N or K: their gradients. None where the shapes are not these."""
+    try:
+        a, b = args[0].shape, args[1].shape
+    except (AttributeError, IndexError):
+        return None
+    if len(a) == 2 and len(b) in (2, 3):
+        return 2 * a[0] * a[1] * b[-1]
+    if len(a) == 3 and len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[-1]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[-1]
+    return None
 
 
 def _own_sdpa_flops(args: tuple[Any, ...], backward: bool) -> int | None:
@@ -390,7 +435,7 @@ _UNSAFE_VIEW = op_overload("_unsafe_view")  # the reshape after a batched matmul
 
 class _Traffic(TorchDispatchMode):
     """Counts the operators run (kernels: views, which move nothing, left out) and the bytes
-    read and written by those without a FLOP formula (`flop_formulas`: matmuls, convolutions,
+    read and written by those without a FLOP formula (`_FlopFormulas`: matmuls, convolutions,
     attention, which the FLOP count prices), each tensor at most its storage (a broadcast
     operand is read once, not per element it stands for).
 
