@@ -8,9 +8,10 @@ import functools
 import importlib
 import json
 import sys
+import threading
 import types
 from collections import UserDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +347,66 @@ def test_module_attributes_beyond_numbers_rename_it(
 ) -> None:
     batch = torch.randn(4, 3, 16, 16)
     assert _digests(_Conv(**before), batch) != _digests(_Conv(**after), batch)
+
+
+@dataclass
+class _Settings:
+    """What a model keeps of its arguments (torchtitan's `model_args`, Meta's `params`)."""
+
+    wide: bool = False
+    dtype: torch.dtype = torch.float32
+
+
+class _Configured(nn.Module):
+    """A forward that reads its settings from attributes that are neither numbers nor
+    callables: a dataclass, a dtype, a tensor."""
+
+    def __init__(self, settings: _Settings | None = None, dtype: Any = torch.float32) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.settings = settings or _Settings()
+        self.compute_dtype = dtype
+        self.scale = torch.ones(8)  # a plain tensor attribute, no buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x.to(self.compute_dtype).float() * self.scale)
+        if self.settings.wide:  # keeps an activation 8 times its input's for backward
+            y = torch.relu(y.repeat(1, 8)).view(x.shape[0], 8, 8).mean(1)
+        return y.to(self.settings.dtype).float().sum()
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        {"settings": _Settings(wide=True)},
+        {"settings": _Settings(dtype=torch.bfloat16)},
+        {"dtype": torch.bfloat16},
+    ],
+    ids=["a dataclass's flag", "a dtype in a dataclass", "a dtype attribute"],
+)
+def test_settings_a_module_keeps_in_objects_rename_it(after: dict[str, Any], kept: Path) -> None:
+    batch = torch.randn(4, 8)
+    before = _digests(_Configured(), batch)
+    assert _digests(_Configured(), batch) == before  # the same again: the same names
+    assert _digests(_Configured(**after), batch) != before
+
+
+def test_a_tensor_attribute_of_another_shape_renames_it(kept: Path) -> None:
+    batch, other = torch.randn(4, 8), _Configured()
+    other.scale = torch.ones(1, 8)
+    assert _digests(other, batch)[0] != _digests(_Configured(), batch)[0]
+
+
+def test_a_module_holding_what_cannot_be_described_is_planned_without_the_cache(
+    kept: Path,
+) -> None:
+    model = _Configured()
+    model.lock = threading.Lock()  # type: ignore[assignment]
+    for _ in range(2):
+        plan = _plan(model, torch.randn(4, 8), strategy="ddp")
+        assert plan.strategy is not None
+        assert not any("read from autoshard's cache" in r for r in plan.reasons), plan.reasons
+    assert not kept.exists() or not any(kept.rglob("*.json"))
 
 
 def test_a_batch_in_channels_last_renames_it(kept: Path) -> None:

@@ -8,10 +8,12 @@ it depends on, so the same job started again reads them back instead:
 - the model: every module's class, the source files of its classes (autoshard's own and torch's
   are covered by their versions below), the versions of the packages they come from, its other
   attributes (dropout rates, flags, `training`, a convolution's stride: numbers, strings and
-  containers of them; the callables it holds, by their code), a Hugging Face config where there
-  is one (`to_dict` and its own attributes: the attention implementation is one `to_dict` leaves
-  out), its hooks, each parameter's and buffer's name, shape, strides, dtype, device and
-  `requires_grad`, and which of them are one tensor (tied weights);
+  containers of them; dtypes; a tensor that is no buffer, by shape and dtype; the callables it
+  holds, by their code; an object of settings, such as a dataclass of model arguments, by its
+  own attributes, alike), a Hugging Face config where there is one (`to_dict` and its own
+  attributes: the attention implementation is one `to_dict` leaves out), its hooks, each
+  parameter's and buffer's name, shape, strides, dtype, device and `requires_grad`, and which
+  of them are one tensor (tied weights);
 - the optimizer's class and, per group, its parameters by name and its hyperparameters; the
   batch's structure (mappings, a tokenizer's `BatchEncoding` included, and sequences), shapes,
   strides and dtypes; the loss function's code and what its closure holds; the compute dtype;
@@ -220,14 +222,12 @@ def _describe_module(
     holds: a convolution's stride, an activation chosen per layer), a Hugging Face config, its
     hooks."""
     cls = type(module)
-    attributes: dict[str, Any] = {}
-    for key, value in vars(module).items():
-        if key in ("_parameters", "_buffers", "_modules", "config") or key.endswith("hooks"):
-            continue
-        if _plain(value):
-            attributes[key] = value
-        elif callable(value) and not isinstance(value, nn.Module):
-            attributes[key] = describe_callable(value)
+    attributes = {
+        key: _attribute(value)
+        for key, value in vars(module).items()
+        if key not in ("_parameters", "_buffers", "_modules", "config")
+        and not key.endswith("hooks")
+    }
     config: Any = getattr(module, "config", None)
     described: Any = None
     if config is not None:
@@ -254,9 +254,53 @@ def _describe_module(
 def _describe_config(config: Any) -> Any:
     """A Hugging Face config: what `to_dict` gives, and its own plain attributes beside (the
     attention implementation is one `to_dict` leaves out)."""
-    own = {k: v for k, v in vars(config).items() if _plain(v)}
+    own = {k: _attribute(v) for k, v in vars(config).items()}
     whole = config.to_dict() if callable(getattr(config, "to_dict", None)) else None
     return [type(config).__qualname__, own, whole]
+
+
+# How far into objects an attribute is described (a module's settings object, its fields, their
+# containers): deeper than that, it is refused
+_DEPTH = 6
+
+
+def _attribute(value: Any, depth: int = 0) -> Any:
+    """A module's (or its config's) attribute other than its parameters, buffers and submodules:
+    numbers, strings and containers of them as they are; dtypes, devices and enums by name; a
+    tensor that is no buffer by its shape, strides and dtype; a callable by its code; another
+    module by its class's code and its parameters; an object holding settings (a dataclass of
+    model arguments, a namespace) by its class and its attributes, described alike. Raises
+    TypeError for anything else (a lock, an object without attributes), so that nothing is kept
+    rather than an entry that ignores it: a forward may read anything it holds."""
+    if _plain(value):
+        return value
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, enum.Enum)):
+        return _encode(value)
+    if isinstance(value, torch.Tensor):
+        return ["tensor", *_describe_tensor(value)]
+    if isinstance(value, type):
+        return ["class", f"{value.__module__}.{value.__qualname__}", _code_of(value)]
+    if isinstance(value, nn.Module):  # held outside `_modules`: not the model's, but it may run
+        tensors = [(n, *_describe_tensor(t)) for n, t in value.named_parameters()]
+        return ["module", f"{type(value).__module__}.{type(value).__qualname__}", tensors]
+    if callable(value):
+        return describe_callable(value)
+    if depth >= _DEPTH:
+        raise TypeError(f"cannot describe a {type(value).__qualname__} nested {depth} deep")
+    if isinstance(value, (set, frozenset)):
+        members = [_attribute(v, depth + 1) for v in value]
+        return ["set", sorted(members, key=lambda m: json.dumps(m, default=_encode))]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__qualname__, [_attribute(v, depth + 1) for v in value]]
+    if isinstance(value, Mapping):
+        items = [[repr(k), _attribute(v, depth + 1)] for k, v in value.items()]
+        return [type(value).__qualname__, sorted(items, key=lambda item: item[0])]
+    fields = getattr(value, "__dict__", None)
+    if not isinstance(fields, dict):
+        raise TypeError(f"cannot describe a {type(value).__qualname__}")
+    cls = type(value)
+    described = {str(k): _attribute(v, depth + 1) for k, v in fields.items()}
+    return ["object", f"{cls.__module__}.{cls.__qualname__}", described]
 
 
 def _plain(value: Any) -> bool:
