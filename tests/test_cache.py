@@ -158,6 +158,12 @@ def _changed_attention(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return {}
 
 
+def _changed_default_dtype(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """As torch.set_default_dtype(torch.float64) would leave it, for this test only."""
+    monkeypatch.setattr(torch, "get_default_dtype", lambda: torch.float64)
+    return {}
+
+
 def _regrouped() -> dict[str, Any]:
     """The same hyperparameters in two groups, the parameters in the other one."""
     model = Net()
@@ -180,6 +186,7 @@ CHANGES: dict[str, Any] = {
     "torch": _changed_torch,
     "a kernel setting": _changed_environment,
     "an attention kernel switched off": _changed_attention,
+    "the default dtype": _changed_default_dtype,
     "optimizer groups": lambda mp: _regrouped(),
     "a mapping's rows": lambda mp: {"batch": _Encoding(tokens=_tokens(rows=6))},
 }

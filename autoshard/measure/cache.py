@@ -21,7 +21,8 @@ it depends on, so the same job started again reads them back instead:
   and the run itself;
 - torch's and Python's versions, a digest of autoshard's own source (any change to it, a version
   bump or not, starts afresh), the CPU's kernel capability, the attention kernels torch may pick,
-  cuDNN's switches and the environment variables that change kernel or allocator memory.
+  cuDNN's switches, the default dtype and the environment variables that change kernel or
+  allocator memory.
 
 Where anything in that cannot be described (an object of a kind not listed), nothing is kept: an
 entry never stands for what its name does not say. Nor is a trace measured on real tensors kept
@@ -177,13 +178,15 @@ def _source_digest(package: Path) -> str:
 
 def _settings() -> dict[str, Any]:
     """What a program may change as it runs: the attention kernels torch may pick, cuDNN's
-    switches, the environment variables that change kernel or allocator memory."""
+    switches, the default dtype (of the tensors a forward makes from nothing: a mask, a
+    table), the environment variables that change kernel or allocator memory."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     attention = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled")
     return {
         "attention": [getattr(cuda, name)() for name in attention],
         "cudnn": [cudnn.enabled, cudnn.benchmark, cudnn.deterministic],
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default dtype": torch.get_default_dtype(),
         "environment": {name: os.environ.get(name) for name in _ENVIRONMENT},
     }
 
