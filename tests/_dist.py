@@ -101,11 +101,15 @@ ACCELERATE = (
 
 
 def run_torchrun(
-    script: Path, *args: str, timeout: float, launcher: tuple[str, ...] = TORCHRUN
+    script: Path,
+    *args: str,
+    timeout: float,
+    launcher: tuple[str, ...] = TORCHRUN,
+    environment: dict[str, str] | None = None,
 ) -> tuple[int, str, bool]:
     """Run `script` on NPROC CPU ranks under real torchrun (or another `launcher`) with a hard
-    timeout; on expiry the whole process tree is killed. Returns (return code, the launcher's
-    output, timed out)."""
+    timeout, `environment` over this process's; on expiry the whole process tree is killed.
+    Returns (return code, the launcher's output, timed out)."""
     command = [sys.executable, *launcher, str(script), *args]
     env = dict(os.environ)
     env.update(
@@ -114,6 +118,7 @@ def run_torchrun(
         PYTHONUNBUFFERED="1",
         CUDA_VISIBLE_DEVICES="",  # this tier is CPU/gloo even on a GPU machine
     )
+    env.update(environment or {})
     env.pop("TORCHELASTIC_RUN_ID", None)
     return run_tree(command, REPO, env, timeout)
 

@@ -118,6 +118,16 @@ def test_allocator_peak_matches_memtracker_on_a_plain_module() -> None:
 # The harness under torchrun
 
 
+def _plans_kept(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The harness's environment: autoshard's cache on, in a directory of its own. Each row
+    plans twice, `plan()` before the allocator profile and `prepare()` inside it, with the same
+    model, batch and settings: the second reads the first's fake steps back, as a user's
+    `prepare` after a `plan` does. Its figures are the same (tests/test_cache.py); its time is
+    not spent twice."""
+    kept = tmp_path_factory.mktemp("plans_kept")
+    return {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(kept)}
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("accuracy") / "accuracy.json"
@@ -142,6 +152,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--json",
         str(out),
         timeout=TIMEOUT_S,
+        environment=_plans_kept(tmp_path_factory),
     )
     if timed_out:
         pytest.fail(f"estimate_accuracy.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}")
@@ -286,6 +297,7 @@ def external(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--json",
         str(out),
         timeout=EXTERNAL_TIMEOUT_S,
+        environment=_plans_kept(tmp_path_factory),
     )
     if timed_out:
         pytest.fail(
