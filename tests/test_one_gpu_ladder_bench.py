@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import one_gpu_ladder as ladder  # noqa: E402
 
 FAMILIES = ("qwen_gqa", "vit_base")  # a decoder (`_gpu_families`) and a zoo model
-# About 90 s on 2 idle cores; the limit turns a hang into a failure (see _dist.SLOW_MACHINE).
+# About 65 s on 2 idle cores; the limit turns a hang into a failure (see _dist.SLOW_MACHINE).
 TIMEOUT_S = 150 * SLOW_MACHINE
 OUTCOMES = {"ok", "oom", "oom_in_prepare", "does_not_fit", "error", "crashed", "skipped"}
 
@@ -41,15 +41,24 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], s
         "--families",
         ",".join(FAMILIES),
     ]
+    # autoshard's cache on, in a directory of the run's own: each child plans the family again
+    # (the survey at each limit, auto and each forced rung), and reads back the fake steps an
+    # earlier child made, as a restarted job does (the GPU run plans each one cold)
+    kept = {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(out / "plans_kept")}
     completed = subprocess.run(
-        command, capture_output=True, text=True, timeout=TIMEOUT_S, env=_clean_env(), cwd=out
+        command,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**_clean_env(), **kept},
+        cwd=out,
     )
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((out / "logs").glob("*.log")))
     assert completed.returncode == 0, completed.stdout + completed.stderr + logs
     return json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
 
 
-@pytest.mark.slow  # the dry run: about 90 s on 2 cores
+@pytest.mark.slow  # the dry run: about 65 s on 2 cores
 def test_dry_run_surveys_each_family_and_runs_auto_at_each_fraction_and_launcher(
     dry_run: tuple[dict[str, Any], str],
 ) -> None:
@@ -76,7 +85,7 @@ def test_dry_run_surveys_each_family_and_runs_auto_at_each_fraction_and_launcher
         assert len(family["rows"]) == len(family["auto"])
 
 
-@pytest.mark.slow  # the dry run: about 90 s on 2 cores
+@pytest.mark.slow  # the dry run: about 65 s on 2 cores
 def test_dry_run_auto_chooses_as_its_plan_predicted_and_reports_each_measurement(
     dry_run: tuple[dict[str, Any], str],
 ) -> None:
@@ -100,7 +109,7 @@ def test_dry_run_auto_chooses_as_its_plan_predicted_and_reports_each_measurement
         assert trained >= 2  # 60% of the need, under both launchers
 
 
-@pytest.mark.slow  # the dry run: about 90 s on 2 cores
+@pytest.mark.slow  # the dry run: about 65 s on 2 cores
 def test_dry_run_times_the_fitting_rungs_and_derives_the_regret(
     dry_run: tuple[dict[str, Any], str],
 ) -> None:
@@ -123,7 +132,7 @@ def test_dry_run_times_the_fitting_rungs_and_derives_the_regret(
             assert row["regret"] > 0 and row["fastest_forced_step_s"] > 0
 
 
-@pytest.mark.slow  # the dry run: about 90 s on 2 cores
+@pytest.mark.slow  # the dry run: about 65 s on 2 cores
 def test_dry_run_writes_a_table_per_family_and_says_what_it_checks(
     dry_run: tuple[dict[str, Any], str],
 ) -> None:
