@@ -69,6 +69,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--out",
         str(out),
         timeout=TIMEOUT_S,
+        # autoshard's cache on, of its own: auto is planned again each round (its figures, not its
+        # prepare time, are what is tested here)
+        environment={"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(out / "plans_kept")},
     )
     if timed_out:
         pytest.fail(f"compare.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}", pytrace=False)
