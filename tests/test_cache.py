@@ -158,12 +158,6 @@ def _changed_attention(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return {}
 
 
-def _changed_default_dtype(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """As torch.set_default_dtype(torch.float64) would leave it, for this test only."""
-    monkeypatch.setattr(torch, "get_default_dtype", lambda: torch.float64)
-    return {}
-
-
 def _regrouped() -> dict[str, Any]:
     """The same hyperparameters in two groups, the parameters in the other one."""
     model = Net()
@@ -186,7 +180,7 @@ CHANGES: dict[str, Any] = {
     "torch": _changed_torch,
     "a kernel setting": _changed_environment,
     "an attention kernel switched off": _changed_attention,
-    "the default dtype": _changed_default_dtype,
+    "the default dtype": None,  # its own case: torch's setting itself, put back after
     "optimizer groups": lambda mp: _regrouped(),
     "a mapping's rows": lambda mp: {"batch": _Encoding(tokens=_tokens(rows=6))},
 }
@@ -208,6 +202,20 @@ def test_what_a_fake_step_depends_on_renames_it(
         before = _digests(model, optimizer=torch.optim.AdamW(groups))
         after = _digests(**_regrouped())
         assert after[0] == before[0] and after[1] != before[1]  # the trace has no optimizer
+        return
+    if change == "the default dtype":
+        # Set for real, not by patching torch.get_default_dtype: torch's fake-tensor dispatch
+        # cache (one per process) keys its entries by what that function returns, and entries
+        # made under a patched answer served float32 results to a later float64 plan
+        model = Net()  # its parameters fp32: only the setting differs
+        before = _digests(model)
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            after = _digests(model)
+        finally:
+            torch.set_default_dtype(dtype)
+        assert after[0] != before[0] and after[1] != before[1]
         return
     if change == "a mapping's rows":
         before = _digests(batch=_Encoding(tokens=_tokens()))
