@@ -100,6 +100,12 @@ ACCELERATE = (
 )
 
 
+def plans_kept(directory: Path) -> dict[str, str]:
+    """The environment that turns autoshard's cache on in `directory`, for a launch that plans
+    the same model with the same settings more than once (the suite turns it off elsewhere)."""
+    return {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(directory)}
+
+
 def run_torchrun(
     script: Path,
     *args: str,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _dist import REPO, SLOW_MACHINE, run_torchrun
+from _dist import REPO, SLOW_MACHINE, plans_kept, run_torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -71,7 +71,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         timeout=TIMEOUT_S,
         # autoshard's cache on, of its own: auto is planned again each round (its figures, not its
         # prepare time, are what is tested here)
-        environment={"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(out / "plans_kept")},
+        environment=plans_kept(out / "plans_kept"),
     )
     if timed_out:
         pytest.fail(f"compare.py timed out after {TIMEOUT_S}s:\n{output[-4000:]}", pytrace=False)

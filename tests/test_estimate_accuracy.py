@@ -12,7 +12,7 @@ import statistics
 import sys
 
 import pytest
-from _dist import REPO, SLOW_MACHINE, run_torchrun
+from _dist import REPO, SLOW_MACHINE, plans_kept, run_torchrun
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import zoo_external  # noqa: E402
@@ -124,8 +124,7 @@ def _plans_kept(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     model, batch and settings: the second reads the first's fake steps back, as a user's
     `prepare` after a `plan` does. Its figures are the same (tests/test_cache.py); its time is
     not spent twice."""
-    kept = tmp_path_factory.mktemp("plans_kept")
-    return {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(kept)}
+    return plans_kept(tmp_path_factory.mktemp("plans_kept"))
 
 
 @pytest.fixture(scope="module")

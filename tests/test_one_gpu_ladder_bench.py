@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import pytest
-from _dist import REPO, SLOW_MACHINE
+from _dist import REPO, SLOW_MACHINE, plans_kept
 from test_gpu_suite import _clean_env, plain_python
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -44,7 +44,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], s
     # autoshard's cache on, in a directory of the run's own: each child plans the family again
     # (the survey at each limit, auto and each forced rung), and reads back the fake steps an
     # earlier child made, as a restarted job does (the GPU run plans each one cold)
-    kept = {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": str(out / "plans_kept")}
+    kept = plans_kept(out / "plans_kept")
     completed = subprocess.run(
         command,
         capture_output=True,
