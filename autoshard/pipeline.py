@@ -62,7 +62,7 @@ from autoshard.measure.facts import (
     with_resident,
     worst,
 )
-from autoshard.measure.fake import caches_emptied
+from autoshard.measure.fake import caches_emptied, simulated_on
 from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
@@ -172,7 +172,10 @@ def gather(call: Call, target: Target) -> _Gathered:
     mp, mp_reason = resolve_mixed_precision(request.mixed_precision, target.device, model)
     batch, meta_note = batch_for_meta(model, call.batch)
     progress(target, "tracing one step of the example batch for its activations")
-    measured = measure(model, [m for _, m in blocks], batch, call.loss_fn, mp.dtype, names)
+    traced_on = simulated_on(target.device)  # a model on meta: traced where it is simulated
+    measured = measure(
+        model, [m for _, m in blocks], batch, call.loss_fn, mp.dtype, names, traced_on
+    )
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
     memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)

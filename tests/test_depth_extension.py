@@ -374,9 +374,11 @@ def test_blocks_too_few_to_simulate_shallow_are_still_traced_shallow(
     traced: list[int] = []
     profile_step = trace.profile_step
 
-    def counted(model: torch.nn.Module, blocks: list[torch.nn.Module], *args: object) -> object:
+    def counted(
+        model: torch.nn.Module, blocks: list[torch.nn.Module], *args: object, **kwargs: object
+    ) -> object:
         traced.append(len(blocks))
-        return profile_step(model, blocks, *args)  # type: ignore[arg-type]
+        return profile_step(model, blocks, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(facts, "profile_step", counted)
     facts._profile(model, blocks, torch.randn(32, 64), None, None, names)

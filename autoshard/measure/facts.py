@@ -102,10 +102,13 @@ def measure(
     loss_fn: LossFn | None,
     dtype: torch.dtype | None,
     names: list[str] | None = None,
+    device: torch.device | None = None,
 ) -> Measured:
     """Trace one step of `batch`. A model whose blocks repeat (more than SHALLOW[-1] periods:
     `layout.repeats`) is traced with SHALLOW[0] periods of them (a module tree sharing the
-    model's tensors) and extended."""
+    model's tensors) and extended. `device`: where the simulations run (`fake.simulated_on`),
+    and so where a model on meta is traced (`trace.fake_state`)."""
+    device = device if device is not None and _on_meta(model, batch) else None
     if batch is None:
         return Measured(
             None, "no example_batch: activations are not estimated and no trial step can run"
@@ -118,12 +121,13 @@ def measure(
             cache.describe_callable(loss_fn),
             str(dtype),
             names,
+            None if device is None else cache.describe_device(device),
         ]
     )
     kept = cache.load("trace", name, _measured_from_json)
     if kept is not None:
         return kept
-    measured = _measure(model, blocks, batch, loss_fn, dtype, names)
+    measured = _measure(model, blocks, batch, loss_fn, dtype, names, device)
     # a step measured on real tensors depends on the batch's values (what it read back): not kept
     if measured.profile is not None and measured.user_error is None and not measured.by_values:
         value = {"profile": cache.profile_to_json(measured.profile), "note": measured.trace_note}
@@ -143,10 +147,26 @@ def _measure(
     loss_fn: LossFn | None,
     dtype: torch.dtype | None,
     names: list[str] | None,
+    device: torch.device | None,
 ) -> Measured:
+    where = ""
     try:
         with own_runs_quiet(), autograd_on():
-            profile = _profile(model, blocks, batch, loss_fn, dtype, names)
+            try:
+                profile = _profile(model, blocks, batch, loss_fn, dtype, names, device)
+            except Exception:
+                if device is None:
+                    raise
+                # a tensor the model keeps outside its parameters and buffers, left on meta,
+                # cannot meet the others made on `device`: traced on meta, as built
+                logger.debug("the trace on %s failed; traced on meta", device, exc_info=True)
+                profile = _profile(model, blocks, batch, loss_fn, dtype, names, None)
+                where = (
+                    f"; traced on the meta device, as the model was built, since the step could "
+                    f"not be traced on {device.type} tensors: attention on meta runs its math "
+                    f"path and saves score matrices that the fused kernels of a real step do "
+                    f"not, so the activations, and what checkpointing frees, can read high"
+                )
     except (TypeError, ValueError) as error:  # the call itself is wrong: a user error
         return Measured(None, "", _not_callable(error))
     except Exception as error:  # data-dependent control flow and the like cannot be traced
@@ -167,7 +187,7 @@ def _measure(
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
         f"saved for backward over the whole forward (the table's activ is what is still alive "
         f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}"
-        f"{_unlike_note(profile)}",
+        f"{_unlike_note(profile)}{where}",
     )
 
 
@@ -205,27 +225,30 @@ def _profile(
     loss_fn: LossFn | None,
     dtype: torch.dtype | None,
     names: list[str] | None,
+    device: torch.device | None = None,
 ) -> ActivationProfile:
+    def whole() -> ActivationProfile:
+        return profile_step(model, blocks, batch, loss_fn, dtype, device=device)
+
     # One copy is traced, not three as simulated (`layout.layout`): worth it wherever it holds
     # fewer blocks (BART-large's 12 + 12 blocks: 6, a quarter of the whole trace's operators)
     found = repeats(model, names) if names is not None else None
     if names is None or found is None or len(found.kept(SHALLOW[0])) >= len(names):
-        return profile_step(model, blocks, batch, loss_fn, dtype)
-    unlike = _unlike(model, blocks, names, found, batch, dtype)
+        return whole()
+    unlike = _unlike(model, blocks, names, found, batch, dtype, device)
     if unlike is not None:  # a copy would not run what the model runs: nothing is extended
-        profile = profile_step(model, blocks, batch, loss_fn, dtype)
-        return replace(profile, unlike_blocks=unlike)
+        return replace(whole(), unlike_blocks=unlike)
     try:  # a copy with fewer blocks may fail where the model runs (as may copying at all)
         shallow, kept = shallow_copy(model, names, found.kept(SHALLOW[0]))
         traced = [shallow.get_submodule(n) for n in kept]
-        profile = profile_step(shallow, traced, batch, loss_fn, dtype)
+        profile = profile_step(shallow, traced, batch, loss_fn, dtype, device=device)
     except Exception:  # noqa: BLE001 - see above
-        return profile_step(model, blocks, batch, loss_fn, dtype)
+        return whole()
     # A block of the copy whose parameters got no gradient (a head reading the second-last
     # block's output) stands for blocks that may get one in the model
     prefixes = tuple(f"{name}." for name in kept)
     if any(name.startswith(prefixes) for name in profile.unused_parameters):
-        return profile_step(model, blocks, batch, loss_fn, dtype)
+        return whole()
     return extended(profile, names, found.source(SHALLOW[0]))
 
 
@@ -236,12 +259,13 @@ def _unlike(
     found: Layout,
     batch: Any,
     dtype: torch.dtype | None,
+    device: torch.device | None,
 ) -> str | None:
     """Where blocks `found` alike run different operators (`operators.first_unlike`), which;
     None where none do, or where the model's forward cannot run on fake tensors (the trace then
     fails alike and measures on real tensors; the blocks' attributes decide)."""
     try:
-        return first_unlike(model, blocks, names, found, batch, dtype)
+        return first_unlike(model, blocks, names, found, batch, dtype, device)
     except Exception:  # noqa: BLE001 - see above
         logger.debug("the blocks' operators could not be compared", exc_info=True)
         return None

@@ -371,6 +371,14 @@ def _dropped(block_names: list[str], kept: list[str]) -> tuple[str, ...]:
     return tuple(f"{name}." for name in block_names if name not in keep)
 
 
+def simulated_on(device: torch.device) -> torch.device:
+    """Where fake steps for ranks training on `device` run: there, except a what-if plan for
+    GPUs on a machine without one, simulated on fake CPU tensors."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return device
+
+
 def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
     if not isinstance(x, torch.Tensor):
         return x

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from autoshard._batch import split_batch
-from autoshard._torch_compat import TorchDispatchMode, fake_mode, tree_leaves, tree_map
+from autoshard._torch_compat import TorchDispatchMode, fake_mode, tree_leaves
 from autoshard.measure.fake import attributes_kept, wider_fake_kernels
 from autoshard.measure.layout import SHALLOW, Layout
-from autoshard.measure.trace import autocast_for, device_type_of, fake_parameter
+from autoshard.measure.trace import autocast_for, device_type_of, fake_state
 
 # A block's operators: each operator's name with its outputs' shapes and dtypes, in order
 Operators = tuple[tuple[str, tuple[tuple[tuple[int, ...], str], ...]], ...]
@@ -39,13 +39,14 @@ def first_unlike(
     repeats: Layout,
     batch: Any,
     autocast_dtype: torch.dtype | None,
+    device: torch.device | None = None,
 ) -> str | None:
     """Where two blocks that `repeats` extends one from the other run different operators, or
     the model runs different ones after them (a parent acting after the middle block): a
     sentence naming them and the first operator that differs; None where every block, and what
     follows it, runs its period's. Raises what the forward raises (the caller then trusts the
-    attributes)."""
-    inside, after = operators_by_block(model, blocks, batch, autocast_dtype)
+    attributes). `device`: where a model on meta runs (`trace.fake_state`)."""
+    inside, after = operators_by_block(model, blocks, batch, autocast_dtype, device)
     at = {name: i for i, name in enumerate(names)}
     for stretch in repeats.stretches:
         if stretch.periods == 0:
@@ -70,17 +71,17 @@ def first_unlike(
 
 
 def operators_by_block(
-    model: nn.Module, blocks: list[nn.Module], batch: Any, autocast_dtype: torch.dtype | None
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    autocast_dtype: torch.dtype | None,
+    device: torch.device | None = None,
 ) -> tuple[list[Operators], list[Operators]]:
     """The operators each of `blocks` runs in one forward of `batch`, and those run after it
     until the next block begins, each with what autograd saved (on fake tensors, no backward:
     no memory is used and nothing of the model changes, its attributes put back)."""
     mode = fake_mode()
-    state = {n: fake_parameter(mode, t) for n, t in model.named_parameters(remove_duplicate=False)}
-    state.update({n: mode.from_tensor(t) for n, t in model.named_buffers(remove_duplicate=False)})
-    fake_batch = tree_map(
-        lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, batch
-    )
+    state, fake_batch = fake_state(mode, model, batch, device)
     recorder = _Recorder(len(blocks))
     handles = [
         hook
@@ -90,7 +91,7 @@ def operators_by_block(
             block.register_forward_hook(lambda *_, i=index: recorder.leave(i)),
         )
     ]
-    device_type = device_type_of(model)
+    device_type = device_type_of(model, device)
     autocast = autocast_for(device_type, autocast_dtype)
     try:
         # with autograd, and what it saves recorded: a block the parent checkpoints or runs

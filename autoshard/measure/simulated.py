@@ -13,6 +13,7 @@ from autoshard.decide.job import Work
 from autoshard.decide.plan import PlanInputs
 from autoshard.decide.validate import Request
 from autoshard.measure.facts import forced_checkpointing
+from autoshard.measure.fake import simulated_on
 from autoshard.measure.sharing import workers
 from autoshard.measure.simulate import Setup, Tally, combine, simulate_all
 from autoshard.strategies.recipes import recipe
@@ -53,8 +54,7 @@ def with_simulation(
         if request.strategy is None
         and state // (inputs.world_size if recipe(s).sharded else 1) > inputs.usable_bytes
     ]
-    # what-if planning for GPUs on a machine without one simulates on fake CPU tensors
-    here = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
+    here = simulated_on(device)
     dtype = inputs.mixed_precision.dtype
     answers = inputs.profile.answers if inputs.profile is not None else ()
     unlike = inputs.profile is not None and inputs.profile.unlike_blocks is not None
