@@ -3,6 +3,7 @@ too, where a CPU batch used to fail the trace on a device mismatch and leave the
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -77,10 +78,10 @@ class Attention(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, scale_outside_buffers: bool = False) -> None:
+    def __init__(self, scale_outside_buffers: bool = False, depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(Attention() for _ in range(4))
+        self.blocks = nn.ModuleList(Attention() for _ in range(depth))
         self.head = nn.Linear(32, 64)
         # a tensor kept as a plain attribute: built on meta, it stays there
         self.scale = torch.ones(32) if scale_outside_buffers else None
@@ -94,9 +95,11 @@ class Decoder(nn.Module):
         return self.head(x).logsumexp(-1).mean()
 
 
-def _decoder_plan(device: str, scale_outside_buffers: bool = False) -> autoshard.Plan:
+def _decoder_plan(
+    device: str, scale_outside_buffers: bool = False, depth: int = 4
+) -> autoshard.Plan:
     with torch.device(device):
-        model = Decoder(scale_outside_buffers)
+        model = Decoder(scale_outside_buffers, depth)
     tokens = torch.zeros(2, 128, dtype=torch.long)
     return autoshard.plan(
         model,
@@ -115,13 +118,16 @@ def _traced(plan: autoshard.Plan) -> list[str]:
     return [r for r in plan.reasons if r.startswith("activations traced")]
 
 
-def test_a_meta_model_is_traced_as_it_is_simulated_not_on_meta_s_math_attention() -> None:
+@pytest.mark.parametrize("depth", [4, 16])  # 16: traced on a shallow copy, operators checked
+def test_a_meta_model_is_traced_as_it_is_simulated_not_on_meta_s_math_attention(
+    depth: int,
+) -> None:
     # Traced on meta, attention ran its math path and saved its 2 x 4 x 128 x 128 fp32 weights
-    # (512 KiB a block) where the CPU's fused kernel keeps 4 KiB: 2.85 MiB against 889 KiB, and
-    # 2 of 4 blocks checkpointed were credited with freeing those weights, which the simulated
-    # step never held: 303,112 B of activations estimated against 572,424 B (-47%).
-    built = _decoder_plan("cpu")
-    what_if = _decoder_plan("meta")
+    # (512 KiB a block) where the CPU's fused kernel keeps 4 KiB: at 4 blocks 2.85 MiB against
+    # 889 KiB, and 2 of 4 blocks checkpointed were credited with freeing those weights, which
+    # the simulated step never held: 303,112 B of activations estimated against 572,424 B.
+    built = _decoder_plan("cpu", depth=depth)
+    what_if = _decoder_plan("meta", depth=depth)
     assert _traced(what_if) == _traced(built)
     assert [c.footprint for c in what_if.candidates] == [c.footprint for c in built.candidates]
 
