@@ -137,3 +137,38 @@ def test_a_meta_model_that_cannot_be_traced_off_meta_is_traced_on_meta_and_says_
     (traced,) = _traced(plan)
     assert "traced on the meta device, as the model was built" in traced
     assert "could not be traced on cpu tensors" in traced
+
+
+class InputGradient(nn.Module):
+    """Operators on the batch itself before any parameter: autograd saves their inputs only
+    where the batch requires a gradient (input-gradient training, adversarial examples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.exp().sin()).sum()
+
+
+def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced() -> None:
+    traced = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = InputGradient()
+        batch = torch.empty(64, 32, device=device).requires_grad_()
+        plan = autoshard.plan(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            batch,
+            world_size=2,
+            device_memory="1GiB",
+            device="cpu",
+            mixed_precision="no",
+            strategy="ddp",
+        )
+        traced.append(_traced(plan))
+    assert traced[0] == traced[1]
+    # exp's output (exp saves it, sin its input) and sin's (the linear's input): 2 x 8 KiB; the
+    # batch is no new memory. Without its gradient only sin's output is saved: 8 KiB.
+    assert "16.00 KiB saved for backward" in traced[0][0]

@@ -434,12 +434,13 @@ def fake_state(
             with mode:
                 made[id(tensor)] = torch.empty_strided(
                     tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
-                )
+                ).requires_grad_(tensor.requires_grad)  # a batch's input gradient too
         return made[id(tensor)]
 
-    state = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        state[name] = fake(param).requires_grad_(param.requires_grad)
+    state = {
+        n: fake(p).requires_grad_(p.requires_grad)
+        for n, p in model.named_parameters(remove_duplicate=False)
+    }
     state.update({n: fake(t) for n, t in model.named_buffers(remove_duplicate=False)})
     fake_batch = tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
     return state, fake_batch
