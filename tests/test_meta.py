@@ -151,7 +151,7 @@ class InputGradient(nn.Module):
         return self.linear(x.exp().sin()).sum()
 
 
-def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced() -> None:
+def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced_and_simulated() -> None:
     traced = []
     for device in ("cpu", "meta"):
         with torch.device(device):
@@ -167,8 +167,8 @@ def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced() -> 
             mixed_precision="no",
             strategy="ddp",
         )
-        traced.append(_traced(plan))
+        traced.append((_traced(plan), [c.footprint for c in plan.candidates]))
     assert traced[0] == traced[1]
     # exp's output (exp saves it, sin its input) and sin's (the linear's input): 2 x 8 KiB; the
     # batch is no new memory. Without its gradient only sin's output is saved: 8 KiB.
-    assert "16.00 KiB saved for backward" in traced[0][0]
+    assert "16.00 KiB saved for backward" in traced[0][0][0]

@@ -382,8 +382,8 @@ def simulated_on(device: torch.device) -> torch.device:
 def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    if x.device.type == "meta":
-        return torch.empty(x.shape, dtype=x.dtype, device=device)
+    if x.device.type == "meta":  # a batch that requires a gradient keeps it
+        return torch.empty(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
     return mode.from_tensor(x).to(device)
 
 
