@@ -172,3 +172,42 @@ def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced_and_s
     # exp's output (exp saves it, sin its input) and sin's (the linear's input): 2 x 8 KiB; the
     # batch is no new memory. Without its gradient only sin's output is saved: 8 KiB.
     assert "16.00 KiB saved for backward" in traced[0][0][0]
+
+
+class ChannelsLast(nn.Module):
+    """Convolutions in channels_last, as vision models train under mixed precision: the batch's
+    strides decide the layout of every activation after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            for _ in range(3)
+        )
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+def test_a_meta_batch_keeps_its_strides_where_it_is_simulated() -> None:
+    # Made contiguous, the meta-built model's simulation read other activations and
+    # temporaries than the CPU-built one's under every strategy.
+    planned = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = ChannelsLast()
+        batch = torch.empty(2, 8, 16, 16, device=device).to(memory_format=torch.channels_last)
+        plan = autoshard.plan(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            batch,
+            world_size=2,
+            device_memory="1GiB",
+            device="cpu",
+            mixed_precision="no",
+        )
+        planned.append((_traced(plan), [c.footprint for c in plan.candidates]))
+    assert planned[0] == planned[1]

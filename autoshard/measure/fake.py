@@ -382,8 +382,9 @@ def simulated_on(device: torch.device) -> torch.device:
 def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    if x.device.type == "meta":  # a batch that requires a gradient keeps it
-        return torch.empty(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
+    if x.device.type == "meta":  # made as from_tensor would: its strides and its gradient kept
+        made = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        return made.requires_grad_(x.requires_grad)
     return mode.from_tensor(x).to(device)
 
 
