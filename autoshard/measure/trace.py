@@ -51,7 +51,7 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
-from autoshard.measure.fake import attributes_kept, wider_fake_kernels
+from autoshard.measure.fake import attributes_kept, fake_tensor, wider_fake_kernels
 
 logger = logging.getLogger("autoshard")
 
@@ -422,19 +422,18 @@ def fake_state(
     A tensor on meta (a what-if model, its batch moved there too) is made on `device` where one
     is given: the device its simulation runs on (`fake.simulated_on`). On meta, no kernel but
     the reference ones exists: attention runs its math path and saves its score matrices,
-    where the CPU's and CUDA's fused kernels save a row statistic (a Llama-shaped model at 1024
-    tokens: 2.3x the activations, and each block's share what the checkpointing formulas free).
+    where the CPU's and CUDA's fused kernels save a row statistic; and autocast does not apply
+    to meta tensors, so a bf16 step is traced in fp32 (a Llama-shaped model at 1024 tokens:
+    2.3x the activations, and each block's share is what the checkpointing formulas free).
     """
     made: dict[int, torch.Tensor] = {}
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if device is None or tensor.device.type != "meta":
             return mode.from_tensor(tensor)
-        if id(tensor) not in made:
+        if id(tensor) not in made:  # tied parameters stay one tensor
             with mode:
-                made[id(tensor)] = torch.empty_strided(
-                    tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
-                ).requires_grad_(tensor.requires_grad)  # a batch's input gradient too
+                made[id(tensor)] = fake_tensor(mode, tensor, device)
         return made[id(tensor)]
 
     state = {
