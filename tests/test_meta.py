@@ -3,6 +3,9 @@ too, where a CPU batch used to fail the trace on a device mismatch and leave the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -151,27 +154,39 @@ class InputGradient(nn.Module):
         return self.linear(x.exp().sin()).sum()
 
 
-def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced_and_simulated() -> None:
-    traced = []
+def _built_on_cpu_and_meta(
+    build: Callable[[], nn.Module], batch: Callable[[str], torch.Tensor], **options: Any
+) -> list[tuple[list[str], list[Any]]]:
+    """The trace's reason and the candidates' footprints of a plan of the model and batch built
+    on the CPU, then on meta."""
+    planned = []
     for device in ("cpu", "meta"):
         with torch.device(device):
-            model = InputGradient()
-        batch = torch.empty(64, 32, device=device).requires_grad_()
+            model = build()
         plan = autoshard.plan(
             model,
             torch.optim.AdamW(model.parameters()),
-            batch,
+            batch(device),
             world_size=2,
             device_memory="1GiB",
             device="cpu",
             mixed_precision="no",
-            strategy="ddp",
+            **options,
         )
-        traced.append((_traced(plan), [c.footprint for c in plan.candidates]))
-    assert traced[0] == traced[1]
+        planned.append((_traced(plan), [c.footprint for c in plan.candidates]))
+    return planned
+
+
+def test_a_meta_batch_that_requires_a_gradient_keeps_it_where_it_is_traced_and_simulated() -> None:
+    built, what_if = _built_on_cpu_and_meta(
+        InputGradient,
+        lambda device: torch.empty(64, 32, device=device).requires_grad_(),
+        strategy="ddp",
+    )
+    assert what_if == built
     # exp's output (exp saves it, sin its input) and sin's (the linear's input): 2 x 8 KiB; the
     # batch is no new memory. Without its gradient only sin's output is saved: 8 KiB.
-    assert "16.00 KiB saved for backward" in traced[0][0][0]
+    assert "16.00 KiB saved for backward" in built[0][0]
 
 
 class ChannelsLast(nn.Module):
@@ -184,7 +199,7 @@ class ChannelsLast(nn.Module):
             nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
             for _ in range(3)
         )
-        self.to(memory_format=torch.channels_last)
+        self.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -195,19 +210,10 @@ class ChannelsLast(nn.Module):
 def test_a_meta_batch_keeps_its_strides_where_it_is_simulated() -> None:
     # Made contiguous, the meta-built model's simulation read other activations and
     # temporaries than the CPU-built one's under every strategy.
-    planned = []
-    for device in ("cpu", "meta"):
-        with torch.device(device):
-            model = ChannelsLast()
-        batch = torch.empty(2, 8, 16, 16, device=device).to(memory_format=torch.channels_last)
-        plan = autoshard.plan(
-            model,
-            torch.optim.AdamW(model.parameters()),
-            batch,
-            world_size=2,
-            device_memory="1GiB",
-            device="cpu",
-            mixed_precision="no",
-        )
-        planned.append((_traced(plan), [c.footprint for c in plan.candidates]))
-    assert planned[0] == planned[1]
+    built, what_if = _built_on_cpu_and_meta(
+        ChannelsLast,
+        lambda device: torch.empty(2, 8, 16, 16, device=device).to(
+            memory_format=torch.channels_last
+        ),
+    )
+    assert what_if == built
