@@ -180,13 +180,14 @@ GPU_CONFIGS: list[Config] = [Config(*c) for c in [
     ("gpt2_medium", FAKE_WORLD, "full_shard", False),
     ("resnet", FAKE_WORLD, "full_shard", False),
     ("vit_large", FAKE_WORLD, "full_shard", False),
+    # the first run's -6.0% (the depth extension's moving peak, fixed on the CPU since)
+    ("llama_1b", FAKE_WORLD, "full_shard", True),
 ]] + _family_rows(1) + _family_rows(FAKE_WORLD) + [Config(*c) for c in [
     ("gpt2_medium", 1, "ddp", False),
     ("gpt2_medium", 1, "shard_grad_op", False),
     ("resnet", 1, "full_shard", False),
     ("vit_large", 1, "full_shard", False),
     ("llama_1b", 1, "full_shard", True),
-    ("llama_1b", FAKE_WORLD, "full_shard", True),
 ]]  # fmt: skip
 # One configuration per code path (LOCAL, FSDP2 on a one-rank group, FSDP2 at world 8 on the
 # fake one), and every family and AdamW implementation at least once.

@@ -67,6 +67,10 @@ def _seconds(value: Any) -> str:
     return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
+def _secs(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
 def tests_md(result: dict[str, Any]) -> list[str]:
     counts = result["counts"]
     lines = [
@@ -179,6 +183,36 @@ def oom_md(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def prepare_md(result: dict[str, Any]) -> list[str]:
+    target = result["target_s"]
+    lines = [
+        f"`autoshard.prepare` under auto, one rank of a one-rank group, as a first launch; the "
+        f"decision's target: within {target:g} s (issue 24), the trial step on top. Seconds of "
+        f"wall time; the trace and the simulations are within the decision.",
+        "",
+        "| model | params | plan | prepare | decision | trace | simulations | fake steps | "
+        "wrap | trial | trial step | modelled step | within target |",
+        "|" + "---|" * 13,
+    ]
+    for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | failed: {r['failed'][:200]} |" + " |" * 11)
+            continue
+        plan = f"{r['strategy']} AC {r['checkpointed']}/{r['num_blocks']} {r['mixed_precision']}"
+        lines.append(
+            f"| {r['model']} | {_count(r['params'])} | {plan} | {r['prepare_s']:.1f} | "
+            f"{r['decision_s']:.1f} | {r['trace_s']:.1f} | {r['simulations_s']:.1f} | "
+            f"{r['fake_steps']} | {r['wrap_s']:.1f} | {r['trial_s']:.1f} | "
+            f"{_seconds(r['trial_step_s'])} | {_seconds(r['modelled_step_s'])} | "
+            f"{'yes' if r['decision_within_target'] else '**no**'} |"
+        )
+    for skipped in result.get("skipped", []):
+        lines.append(f"\nskipped: {skipped}")
+    models = {r.get("cost_model") for r in result["rows"] if r.get("cost_model")}
+    lines += ["", *(f"- step times modelled from {m}" for m in sorted(models))]
+    return lines
+
+
 def summary_lines(sections: dict[str, Any]) -> list[str]:
     """One line per section: what it found, in a word."""
     lines = []
@@ -208,6 +242,13 @@ def summary_lines(sections: dict[str, Any]) -> list[str]:
                 f"{result['attempts'][-1]['description']}; fraction restored: "
                 f"{result['fraction_restored']}; peak kept: {result['peak_restored']}"
             )
+        elif name == "prepare":
+            s = result["summary"]
+            lines.append(
+                f"- prepare: decision within {result['target_s']:g} s for {s['within_target']} of "
+                f"{s['models']} model(s) (median {_secs(s['median_decision_s'])}, slowest "
+                f"{_secs(s['slowest_decision_s'])}); {s['failed']} failed"
+            )
     return lines
 
 
@@ -217,6 +258,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "calibration": calibration_md,
     "accuracy": accuracy_md,
     "oom": oom_md,
+    "prepare": prepare_md,
 }
 
 

@@ -25,6 +25,7 @@ from autoshard.decide.hardware import Throughput, hardware_for
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _gpu_accuracy  # noqa: E402
 import _gpu_models  # noqa: E402
+import _gpu_prepare  # noqa: E402
 import gpu_suite  # noqa: E402
 
 # About 40-60 s on 2 idle cores; the limit turns a hang into a failure (see _dist.SLOW_MACHINE).
@@ -130,6 +131,40 @@ def test_dry_run_measures_every_configuration_against_its_estimate(
     assert "| model | world | strategy | AdamW | AC |" in markdown
     assert "| lora | 1 | full_shard | foreach | " in markdown
     assert "(target <= 2%: " in markdown and "(target <= 5%: " in markdown
+
+
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
+def test_dry_run_times_prepare_by_phase_for_each_model(dry_run: tuple[dict, str]) -> None:
+    prepare = _section(dry_run[0], "prepare")
+    rows = prepare["rows"]
+    assert [r["model"] for r in rows] == list(_gpu_prepare.DRY_ORDER)
+    for row in rows:
+        assert "failed" not in row, row
+        # the phases nest: the trace and the simulations within the decision, which with the
+        # wrapping and the trial is within the whole of prepare
+        assert 0 < row["trace_s"] + row["simulations_s"] <= row["decision_s"]
+        assert row["decision_s"] + row["wrap_s"] + row["trial_s"] <= row["prepare_s"]
+        assert row["fake_steps"] >= 2  # the trace and at least one simulated run
+        assert row["trial_step_s"] > 0 and row["modelled_step_s"] > 0
+        assert row["attempts"][-1].endswith(f"fit ({row['trial_step_s']:.2f}s)")
+        assert row["cost_model"] == "constants for the device class"  # no GPU measured here
+        within = row["decision_s"] <= _gpu_prepare.DECISION_TARGET_S
+        assert row["decision_within_target"] == within
+    assert prepare["summary"]["models"] == len(rows)
+    assert "| model | params | plan | prepare | decision | trace |" in dry_run[1]
+
+
+def test_the_cost_model_is_read_whole_from_the_plan_s_reason() -> None:
+    measured = (
+        "measured on cuda:0 (NVIDIA H100 80GB HBM3): a 4096x4096 bfloat16 matmul, a 256 MiB copy "
+        "and 200 one-element additions"
+    )
+    reason = (
+        f"chose full_shard: the fastest candidate whose estimated peak fits (step times modelled "
+        f"from {measured}) (ddp would be faster but do not fit)"
+    )
+    assert _gpu_prepare._cost_model(("another reason", reason)) == measured
+    assert _gpu_prepare._cost_model(("no such reason",)) is None
 
 
 def _editable_finders() -> str:
