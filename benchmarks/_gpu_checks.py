@@ -18,6 +18,7 @@ from torch import nn
 
 import autoshard
 from autoshard.decide.hardware import Throughput, hardware_for
+from autoshard.measure.device import _fsdp_collective_time
 
 DISAGREEMENT = 0.20  # beyond this the measured figure replaces the constant
 
@@ -42,10 +43,10 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
 
 
 def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    """Measured matmul FLOP/s (bf16 on CUDA, fp32 on the CPU dry run), memory bandwidth and time
-    per operator launch beside `hardware_for`'s constants; a figure off by more than
-    DISAGREEMENT is taken from the measurement (`Throughput`), and the resulting `Hardware` is
-    reported."""
+    """Measured matmul FLOP/s (bf16 on CUDA, fp32 on the CPU dry run), memory bandwidth, time
+    per operator launch and FSDP2's host time per collective beside `hardware_for`'s constants;
+    a figure off by more than DISAGREEMENT is taken from the measurement (`Throughput`), and the
+    resulting `Hardware` is reported."""
     low = device.type == "cuda"
     dtype = torch.bfloat16 if low else torch.float32
     n = 256 if dry_run else 8192
@@ -67,21 +68,24 @@ def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
     constants = hardware_for(device.type, capability, low)
     figures = {}
     taken: dict[str, float | None] = {}
+    # FSDP2's own host time per collective, as `prepare` measures it on the device
+    fsdp = _fsdp_collective_time(device, dtype if low else None)
     measured = (
         ("flops_per_s", flops),
         ("memory_bytes_per_s", bandwidth),
         ("kernel_launch_s", launch),
+        ("fsdp_collective_s", fsdp),
     )
     for name, value in measured:
         taken[name] = None
         constant = getattr(constants, name)
-        off = value / constant - 1
+        off = value / constant - 1 if constant else math.inf  # a constant of 0: none assumed
         figures[name] = {"constant": constant, "measured": value, "off_by": off}
         if abs(off) > DISAGREEMENT:
             taken[name] = value
     where = (
         f"measured on {_device_name(device)} ({dtype} {n}x{n} matmul, {nbytes >> 20} MiB copy, "
-        f"{tiny} one-element additions)"
+        f"{tiny} one-element additions, tiny FSDP2 units over a fake group)"
     )
     throughput = Throughput(**taken, where=where)
     hardware = hardware_for(device.type, capability, low, throughput)

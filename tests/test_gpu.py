@@ -224,8 +224,8 @@ def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: P
 
 
 def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None:
-    """Issue 26: the cost model's FLOP/s and bandwidth are measured on the device at prepare
-    (once per process), and the plan's choice says so."""
+    """Issue 26: the cost model's FLOP/s, bandwidth, launch time and FSDP2's host time are
+    measured on the device at prepare (once per process), and the plan's choice says so."""
     from autoshard.measure.device import device_throughput
 
     device = _device()
@@ -233,7 +233,10 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     assert figures is not None and figures.flops_per_s and figures.memory_bytes_per_s
     assert figures.flops_per_s > 1e12 and figures.memory_bytes_per_s > 1e11  # a GPU, not a CPU
     assert figures.kernel_launch_s is not None and 0 < figures.kernel_launch_s < 1e-3
+    # FSDP2's host work per collective: tiny units over a fake group on this GPU
+    assert figures.fsdp_collective_s is not None and 0 < figures.fsdp_collective_s < 0.1
     model, optimizer, batch = checks.setup(device, width=256, blocks=2, rows=256)
     _, _, plan = autoshard.prepare(model, optimizer, batch, loss_fn=checks.loss_fn)
     chose = next(r for r in plan.reasons if r.startswith("chose "))
-    assert f"FLOP/s, memory bandwidth and operator launch time measured on {device}" in chose, chose
+    names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host time per collective"
+    assert f"{names} measured on {device}" in chose, chose

@@ -18,7 +18,7 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
     """Modelled step time: compute (`compute_seconds`), overlapped with gradient/parameter
-    traffic, plus collective launches and FSDP2's copies.
+    traffic, plus collective launches and FSDP2's copies and host work per collective.
 
     Traffic per rank for a ring over N ranks moves (N-1)/N of the payload per pass: DDP
     all-reduces gradients (2 passes), ZeRO-2 all-gathers parameters once and reduce-scatters
@@ -40,7 +40,8 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
         return max(compute, 2 * reduced * ring / bandwidth) + buckets * hw.collective_latency_s
     passes = r.gathers
     copies = 2 * passes * gathered / hw.memory_bytes_per_s
-    launches = (passes + 1) * units * hw.collective_latency_s
+    # each unit's all-gathers and reduce-scatter: their launches, and FSDP2's own host work
+    launches = (passes + 1) * units * (hw.collective_latency_s + hw.fsdp_collective_s)
     if r.hybrid:
         # all-gathers and reduce-scatters within a node; then each rank all-reduces its gradient
         # shard (1/ranks_per_node of them) with its peers on the other nodes

@@ -27,6 +27,9 @@ class Hardware:
         kernel_launch_s: the least time one operator of an eager step takes, whatever its size:
             the host's dispatch and the kernel's launch. A step of many small operators is bound
             by it (the demo's GPT measured 13 ms a step on an H100, its FLOPs modelled at 0.0 ms).
+        fsdp_collective_s: FSDP2's own host work per collective of one unit, beside the
+            collective's launch: its hooks, the copy-in and copy-out of the unit's parameters
+            and gradients, their casts and its bookkeeping, which the step waits on.
         source: where the figures came from (constants, or which of them were measured).
     """
 
@@ -39,6 +42,7 @@ class Hardware:
     host_memory_bytes_per_s: float = 2e10
     # about a CUDA launch plus torch's dispatch of one operator on a current host
     kernel_launch_s: float = 5e-6
+    fsdp_collective_s: float = 0.0
     source: str = "constants for the device class"
 
 
@@ -47,6 +51,7 @@ _MEASURED = {
     "flops_per_s": "flops",
     "memory_bytes_per_s": "memory bytes",
     "kernel_launch_s": "operator launch time",
+    "fsdp_collective_s": "FSDP2's host time per collective",
 }
 
 
@@ -60,12 +65,15 @@ class Throughput:
             large copy.
         where: how and where they were measured, for the plan's reasons and reports.
         kernel_launch_s: seconds per operator of a run of tiny ones (`Hardware.kernel_launch_s`).
+        fsdp_collective_s: seconds of FSDP2's own host work per collective of one unit
+            (`Hardware.fsdp_collective_s`).
     """
 
     flops_per_s: float | None = None
     memory_bytes_per_s: float | None = None
     where: str = "measured"
     kernel_launch_s: float | None = None
+    fsdp_collective_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in _MEASURED:

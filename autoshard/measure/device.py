@@ -1,12 +1,19 @@
-"""The training GPU's own throughput for the cost model: matmul FLOP/s in the compute dtype and
-memory bandwidth, measured once per process where `prepare` (or `plan` on a GPU machine) trains
-on this device.
+"""The training GPU's own throughput for the cost model: matmul FLOP/s in the compute dtype,
+memory bandwidth, the time per operator launch and FSDP2's own host time per collective, measured
+once per process where `prepare` (or `plan` on a GPU machine) trains on this device.
 
 The cost model's constants (`decide.hardware`) are round figures for a device class: on the H100
 of the first GPU run bf16 matmul measured 797 TFLOP/s against 400 assumed, memory 3.0 TB/s
 against 2.0, and every modelled step was 3 to 10 times below the measured one. The constants
 stay for what-if plans (no device to measure); a plan made on the device uses what it measured,
 agreed across ranks (the slowest rank's), and says which it used (`Plan.cost_model`).
+
+FSDP2's host work per collective (its hooks, copy-in and copy-out, casts and bookkeeping, which
+the step waits on) is what made the first GPU run's FSDP2 steps slow: at 8 fake ranks (no real
+collective) FULL_SHARD stepped 13 to 79 ms slower than the unwrapped model, 0.3 to 1.1 ms per
+collective of a unit, where the cost model charged 20 us. It is measured on a stack of tiny units
+whose collectives carry almost nothing and whose kernels take almost no time, sharded over a
+fake group, against the same stack unwrapped (`_fsdp_collective_time`).
 """
 
 from __future__ import annotations
@@ -16,12 +23,17 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from autoshard._torch_compat import disable_current_modes
 from autoshard._world import RankReport
 from autoshard.decide.hardware import Throughput
 from autoshard.decide.plan import PlanInputs
+from autoshard.measure.fake import fake_mesh
 from autoshard.measure.host import fastest_of
+from autoshard.strategies.engines import shard_module
+from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
@@ -33,6 +45,9 @@ _COPY_BYTES = 256 * 2**20
 _REPEATS = 5
 # A run of operators on one element each: their time is the host's dispatch and launch alone
 _TINY_OPERATORS = 200
+# FSDP2's host work: a stack of units this small does almost nothing else (`_fsdp_collective_time`)
+_UNITS = 8
+_UNIT_WIDTH = 64
 
 _cache: dict[tuple[int, torch.dtype], Throughput] = {}
 
@@ -54,16 +69,28 @@ def device_throughput(device: torch.device, dtype: torch.dtype | None) -> Throug
 
 
 def _measure(device: torch.device, dtype: torch.dtype) -> Throughput:
-    with disable_current_modes(), caller_peak_kept(device):
+    # the caller's random streams as they were: the figures draw random tensors and weights
+    with (
+        disable_current_modes(),
+        caller_peak_kept(device),
+        torch.random.fork_rng(devices=[device]),
+    ):
         flops = _matmul_rate(device, dtype)
         bandwidth = _copy_rate(device)
         launch = _launch_time(device)
+        try:
+            fsdp: float | None = _fsdp_collective_time(device, dtype)
+        except Exception:  # noqa: BLE001 - the constant stands for this figure alone
+            logger.debug("measuring FSDP2's host time failed", exc_info=True)
+            fsdp = None
     name = torch.cuda.get_device_name(device)
     where = (
         f"measured on {device} ({name}): a {_MATMUL}x{_MATMUL} {str(dtype).removeprefix('torch.')} "
-        f"matmul, a {_COPY_BYTES >> 20} MiB copy and {_TINY_OPERATORS} one-element additions"
+        f"matmul, a {_COPY_BYTES >> 20} MiB copy, {_TINY_OPERATORS} one-element additions"
     )
-    return Throughput(flops, bandwidth, where, launch)
+    if fsdp is not None:
+        where += f" and {_UNITS} tiny FSDP2 units over a fake group"
+    return Throughput(flops, bandwidth, where, launch, fsdp)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -88,20 +115,54 @@ def _launch_time(device: torch.device) -> float:
     return _fastest(device, run) / _TINY_OPERATORS
 
 
+def _fsdp_collective_time(device: torch.device, dtype: torch.dtype | None) -> float:
+    """Seconds of FSDP2's own host work per collective of one unit on `device`: a forward and
+    backward of `_UNITS` tiny linear units, each its own unit under FULL_SHARD (two all-gathers
+    and a reduce-scatter each) over a fake group (`fake.fake_mesh`: of the job's size inside a
+    job, where each rank makes it alone; of 2 outside one), computing in `dtype`, less the same
+    stack unwrapped, per collective. The fake collectives do nothing: their launches are the
+    cost model's `collective_latency_s`."""
+    in_job = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if in_job else (2, 0)
+    # the caller's random streams as they were (the units' weights and input draw from them)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        x = torch.randn(8, _UNIT_WIDTH, device=device)
+        plain = _units(device)
+        sharded = _units(device)
+    with fake_mesh(world, rank, device.type) as mesh:
+        shard_module(sharded, [str(i) for i in range(_UNITS)], mesh, Strategy.FULL_SHARD, dtype)
+        wrapped = _fastest(device, lambda: _step(sharded, x))
+    alone = _fastest(device, lambda: _step(plain, x))
+    collectives = 3 * _UNITS
+    return max(wrapped - alone, 1e-9) / collectives
+
+
+def _units(device: torch.device) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(_UNIT_WIDTH, _UNIT_WIDTH) for _ in range(_UNITS))).to(device)
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).float().sum().backward()
+    for param in model.parameters():
+        param.grad = None
+
+
 def _fastest(device: torch.device, run: Callable[[], object]) -> float:
     """The fastest of a few runs, each synchronised, after a warm-up, in seconds."""
 
     def synchronised() -> None:
         run()
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     synchronised()
     return fastest_of(synchronised, _REPEATS)
 
 
 def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
-    """`inputs` with the slowest rank's measured FLOP/s and memory bandwidth in the cost model,
-    where every rank measured them; else as they are (the constants)."""
+    """`inputs` with the slowest rank's measured figures in the cost model, where every rank
+    measured them; else as they are (the constants). FSDP2's host time, which one rank may have
+    failed to measure, is taken where every rank measured it."""
     measured: list[Throughput] = [
         r.device_throughput for r in reports if r.device_throughput is not None
     ]
@@ -111,15 +172,19 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     slowest = min(measured, key=lambda t: t.flops_per_s or constants.flops_per_s)
     bandwidth = min(t.memory_bytes_per_s or constants.memory_bytes_per_s for t in measured)
     launch = max(t.kernel_launch_s or constants.kernel_launch_s for t in measured)
+    fsdp = [t.fsdp_collective_s for t in measured if t.fsdp_collective_s is not None]
+    everywhere = len(fsdp) == len(measured)
     where = slowest.where + (f", the slowest of {len(reports)} ranks" if len(reports) > 1 else "")
+    names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host time per collective"
     hardware = replace(
         constants,
         flops_per_s=slowest.flops_per_s or constants.flops_per_s,
         memory_bytes_per_s=bandwidth,
         kernel_launch_s=launch,
+        fsdp_collective_s=max(fsdp) if everywhere else constants.fsdp_collective_s,
         source=(
-            f"FLOP/s, memory bandwidth and operator launch time {where}, otherwise "
-            f"{constants.source}"
+            f"{names if everywhere else 'FLOP/s, memory bandwidth and operator launch time'} "
+            f"{where}, otherwise {constants.source}"
         ),
     )
     return replace(inputs, hardware=hardware)
