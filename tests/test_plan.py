@@ -303,7 +303,8 @@ def hand_step_seconds(regime: str, strategy: Strategy, k: int) -> float:
     passes = 1 if strategy == Strategy.SHARD_GRAD_OP else 2  # ZeRO-3 gathers again in backward
     traffic = (passes * gathered + grads) * ring / bandwidth
     copies = 2 * passes * gathered / hw.memory_bytes_per_s  # FSDP2 copy-in/copy-out
-    launches = (passes + 1) * units * hw.collective_latency_s  # all-gathers + reduce-scatter
+    # all-gathers + reduce-scatter: their launches and FSDP2's host work for each
+    launches = (passes + 1) * units * (hw.collective_latency_s + hw.fsdp_collective_s)
     return max(compute, traffic) + copies + launches
 
 

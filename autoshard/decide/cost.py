@@ -86,9 +86,10 @@ def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -
             + profile.recompute_kernels(checkpointed)
         )
     # The whole optimizer step's, sharded or not: a sharded step moves a shard's bytes, but FSDP2
-    # has per-step host work the model does not count (on one H100 its step measured 1.4x to 3x
-    # the unwrapped one, benchmarks/RESULTS.md); crediting the shard alone would choose ZeRO over
-    # DDP for small models by the optimizer's saving. Offload is FSDP2 too, with that work and
+    # has per-step work beyond its host time per collective (`step_seconds`) that the model does
+    # not count (on one H100 its step measured 1.4x to 3x the unwrapped one, benchmarks/
+    # RESULTS.md); crediting the shard alone would choose ZeRO over DDP for small models by the
+    # optimizer's saving. Offload is FSDP2 too, with that work and
     # more, so it carries the same term (its own step on the host is added in `step_seconds`):
     # left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for a 405B-shaped
     # model, the whole step's 32 TB, and was chosen over it where both fit.

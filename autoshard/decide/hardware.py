@@ -127,4 +127,7 @@ def _constants(
     else:  # Volta/Turing: ~125 fp16 tensor cores, ~15 fp32
         flops = 6e13 if low_precision else 7e12
     # NVLink-class intra-node bus bandwidth, 200 Gb/s-class inter-node, HBM-class memory.
-    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5)
+    # FSDP2's host work per collective of a unit is the host's, not the GPU's: 0.26 ms (fp32) to
+    # 0.36 ms (bf16) measured by `measure.device._fsdp_collective_time` on a 2-core EPYC, torch
+    # 2.13 (benchmarks/RESULTS.md, 2026-11-28); `prepare` measures it on the training host.
+    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5, fsdp_collective_s=3e-4)
