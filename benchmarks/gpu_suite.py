@@ -22,7 +22,8 @@ a hard stop (a section past its budget is killed and recorded; the next one stil
 - prepare: `autoshard.prepare` under auto, as a first launch of a one-GPU torchrun job, timed by
   phase per model (decision, trace, simulations, wrapping, trial) against issue 24's 5 s, with
   the plan's modelled step beside the trial's (`_gpu_prepare.py`). Last, as it is the newest:
-  with the suite's budget spent it is not run; `--sections prepare` runs it alone.
+  with the suite's budget spent it is not run; `--sections prepare --budget prepare=300` runs
+  it alone, over every model (`--budget SECTION=SECONDS` sets any section's for one run).
 
 The sections other than tests run in one worker process (`--worker`), which is started again
 after a section that was killed or crashed it; the tests run first, while no other process of
@@ -162,8 +163,11 @@ def _kill(process: subprocess.Popen[Any]) -> None:
     process.wait()
 
 
-def supervise(out: Path, dry_run: bool, sections: list[str], started: float) -> None:
-    """Run `sections` in worker processes; kill one at a section's hard stop and go on."""
+def supervise(
+    out: Path, dry_run: bool, sections: list[str], started: float, budgets: tuple[str, ...] = ()
+) -> None:
+    """Run `sections` in worker processes (each told the `--budget`s given); kill one at a
+    section's hard stop and go on."""
     state = out / "sections"
     pending = list(sections)
     while pending:
@@ -172,6 +176,7 @@ def supervise(out: Path, dry_run: bool, sections: list[str], started: float) -> 
         command = [sys.executable, __file__, "--worker", "--out", str(out), "--sections"]
         command.append(",".join(pending))
         command += ["--dry-run"] if dry_run else []
+        command += [arg for given in budgets for arg in ("--budget", given)]
         worker = _start(command, out / "worker.log")
         pending = _watch(worker, pending, state, dry_run, time.time())
 
@@ -347,12 +352,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="directory for report.md/report.json")
     p.add_argument("--dry-run", action="store_true", help="on the CPU, small sizes")
     p.add_argument("--sections", default=",".join(ORDER), help=f"comma-separated, of {ORDER}")
+    p.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="SECTION=SECONDS",
+        help="a section's time budget for this run (e.g. --sections prepare --budget prepare=300: "
+        "every model of the prepare section); the suite's own limit still holds",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in args.sections if s not in ORDER]
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(ORDER)}")
+    for given in args.budget:
+        name, _, seconds = given.partition("=")
+        try:
+            budget = float(seconds)
+        except ValueError:
+            budget = -1.0
+        if name not in ORDER or not 0 < budget <= TOTAL_BUDGET_S:
+            p.error(
+                f"--budget {given!r}: SECTION=SECONDS with a section of {', '.join(ORDER)} and "
+                f"0 < SECONDS <= {TOTAL_BUDGET_S}"
+            )
+        gpu, dry = BUDGETS[name]
+        BUDGETS[name] = (gpu, budget) if args.dry_run else (budget, dry)
     return args
 
 
@@ -386,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         entry["seconds"] = round(time.time() - began, 1)
         _write(state / "tests.json", json.dumps(entry, indent=1))
-    supervise(out, args.dry_run, [s for s in WORKER_SECTIONS if s in args.sections], started)
+    worker_sections = [s for s in WORKER_SECTIONS if s in args.sections]
+    supervise(out, args.dry_run, worker_sections, started, tuple(args.budget))
     from _gpu_report import write
 
     report = {

@@ -272,6 +272,27 @@ def test_a_section_past_its_budget_is_stopped_and_the_next_still_runs(
     assert time.time() - started < 30
 
 
+def test_a_budget_given_for_one_run_reaches_the_supervisor_and_its_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, budgets in gpu_suite.BUDGETS.items():
+        monkeypatch.setitem(gpu_suite.BUDGETS, name, budgets)  # each put back after the test
+    args = gpu_suite.parse_args(["--out", str(tmp_path), "--budget", "prepare=300"])
+    assert gpu_suite.BUDGETS["prepare"][0] == 300  # the GPU's; the dry run's as it was
+    args = gpu_suite.parse_args(["--out", "x", "--dry-run", "--budget", "accuracy=7"])
+    assert gpu_suite.BUDGETS["accuracy"][1] == 7 and gpu_suite.BUDGETS["prepare"][0] == 300
+    for wrong in ("prepare", "prepare=0", "prepare=600", "nothing=10", "prepare=soon"):
+        with pytest.raises(SystemExit):
+            gpu_suite.parse_args(["--out", "x", "--budget", wrong])
+    # the worker is told the same budgets, as it reads them for its own deadlines
+    started: list[list[str]] = []
+
+    monkeypatch.setattr(gpu_suite, "_start", lambda command, log: started.append(command))
+    monkeypatch.setattr(gpu_suite, "_watch", lambda *a: [])  # the worker's sections all done
+    gpu_suite.supervise(tmp_path, True, ["accuracy"], time.time(), tuple(args.budget))
+    assert started and started[0][-2:] == ["--budget", "accuracy=7"]
+
+
 def test_the_supervisor_reads_a_section_start_that_is_not_written_yet_as_none(
     tmp_path: Path,
 ) -> None:
