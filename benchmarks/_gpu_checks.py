@@ -18,7 +18,7 @@ from torch import nn
 
 import autoshard
 from autoshard.decide.hardware import Throughput, hardware_for
-from autoshard.measure.device import _fsdp_collective_time
+from autoshard.measure.device import _fsdp_host_times
 
 DISAGREEMENT = 0.20  # beyond this the measured figure replaces the constant
 
@@ -68,24 +68,27 @@ def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
     constants = hardware_for(device.type, capability, low)
     figures = {}
     taken: dict[str, float | None] = {}
-    # FSDP2's own host time per collective, as `prepare` measures it on the device
-    fsdp = _fsdp_collective_time(device, dtype if low else None)
+    # FSDP2's own host times, as `prepare` measures them on the device (None: the timings
+    # contradicted themselves, and the constants stand)
+    fsdp = _fsdp_host_times(device, dtype if low else None) or (None, None)
     measured = (
         ("flops_per_s", flops),
         ("memory_bytes_per_s", bandwidth),
         ("kernel_launch_s", launch),
-        ("fsdp_collective_s", fsdp),
+        ("fsdp_unit_s", fsdp[0]),
+        ("fsdp_gather_s", fsdp[1]),
     )
     for name, value in measured:
         taken[name] = None
         constant = getattr(constants, name)
-        off = value / constant - 1 if constant else math.inf  # a constant of 0: none assumed
+        # off by: None where nothing was measured or nothing is assumed (a constant of 0)
+        off = value / constant - 1 if value is not None and constant else None
         figures[name] = {"constant": constant, "measured": value, "off_by": off}
-        if abs(off) > DISAGREEMENT:
+        if value is not None and (off is None or abs(off) > DISAGREEMENT):
             taken[name] = value
     where = (
         f"measured on {_device_name(device)} ({dtype} {n}x{n} matmul, {nbytes >> 20} MiB copy, "
-        f"{tiny} one-element additions, tiny FSDP2 units over a fake group)"
+        f"{tiny} one-element additions, small FSDP2 units over a fake group)"
     )
     throughput = Throughput(**taken, where=where)
     hardware = hardware_for(device.type, capability, low, throughput)

@@ -11,9 +11,9 @@ cannot hold) is prepared as a `torchrun --nproc-per-node 1` user's script prepar
 of a one-rank process group (NCCL; gloo on the CPU dry run), the model on the device, AdamW with
 its defaults, `autoshard.prepare(model, optimizer, batch, loss_fn=...)` with every option left
 to autoshard and its trial step. As a first launch: autoshard's cache on (its default) in an
-empty directory, and the device's measured throughput forgotten before each model; but in a
-process where torch, CUDA and NCCL have started already (their start is not autoshard's). A
-restart reading the cache is measured on the CPU (`planner.py --warm`).
+empty directory, and the device's and the host's measured figures forgotten before each model;
+but in a process where torch, CUDA and NCCL have started already (their start is not
+autoshard's). A restart reading the cache is measured on the CPU (`planner.py --warm`).
 
 Per model: the whole of `prepare`, split into the decision (`pipeline.run`: checks, trace,
 calibration, simulations, agreement), of it the trace and the simulations with the fake steps
@@ -45,6 +45,7 @@ import autoshard.api as api_module
 from autoshard.decide.plan import Outcome
 from autoshard.measure import device as device_module
 from autoshard.measure import facts, simulate, simulated
+from autoshard.measure import host as host_module
 
 # Issue 24: the decision within this, the trial step on top
 DECISION_TARGET_S = 5.0
@@ -99,7 +100,9 @@ def measure(name: str, models: dict[str, Any], device: torch.device) -> dict[str
     if device.type == "cuda":
         torch.cuda.empty_cache()
     built = build(name, models, device)
-    device_module._cache.clear()  # the device's throughput measured again, as a launch does
+    # the device's and the host's figures measured again, as a launch does
+    device_module._cache.clear()
+    host_module._cache.clear()
     timer = _Phases()
     with tempfile.TemporaryDirectory() as kept:
         cache = {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": kept}

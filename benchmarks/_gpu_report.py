@@ -67,6 +67,15 @@ def _seconds(value: Any) -> str:
     return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
+def _number(value: Any) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _cell(text: str) -> str:
+    """`text` as one markdown table cell: no line break, no column separator."""
+    return " ".join(text.split()).replace("|", "/")
+
+
 def _secs(value: Any) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
@@ -106,7 +115,8 @@ def calibration_md(result: dict[str, Any]) -> list[str]:
     for name, f in result["figures"].items():
         used = "measured" if taken.get(name) is not None else "constant"
         lines.append(
-            f"| {name} | {f['constant']:.3g} | {f['measured']:.3g} | {_pct(f['off_by'])} | {used} |"
+            f"| {name} | {f['constant']:.3g} | {_number(f['measured'])} | {_pct(f['off_by'])} | "
+            f"{used} |"
         )
     hw = result["hardware"]
     lines += ["", f"`hardware_for(..., measured=Throughput(...))` gives: {json.dumps(hw)}"]
@@ -129,7 +139,7 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
         optimizer = r.get("optimizer", "default")
         lead = f"| {r['model']} | {r['world_size']} | {r['strategy']} | {optimizer} |"
         if "failed" in r:
-            lines.append(f"{lead} failed: {r['failed'][:200]} |" + " |" * 9)
+            lines.append(f"{lead} failed: {_cell(r['failed'])[:200]} |" + " |" * 9)
             continue
         params = _count(r["params"])
         if r.get("trainable", r["params"]) != r["params"]:
@@ -196,7 +206,7 @@ def prepare_md(result: dict[str, Any]) -> list[str]:
     ]
     for r in result["rows"]:
         if "failed" in r:
-            lines.append(f"| {r['model']} | failed: {r['failed'][:200]} |" + " |" * 11)
+            lines.append(f"| {r['model']} | failed: {_cell(r['failed'])[:200]} |" + " |" * 11)
             continue
         plan = f"{r['strategy']} AC {r['checkpointed']}/{r['num_blocks']} {r['mixed_precision']}"
         lines.append(
@@ -247,7 +257,8 @@ def summary_lines(sections: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- prepare: decision within {result['target_s']:g} s for {s['within_target']} of "
                 f"{s['models']} model(s) (median {_secs(s['median_decision_s'])}, slowest "
-                f"{_secs(s['slowest_decision_s'])}); {s['failed']} failed"
+                f"{_secs(s['slowest_decision_s'])}); {s['failed']} failed, "
+                f"{len(result.get('skipped', []))} skipped"
             )
     return lines
 

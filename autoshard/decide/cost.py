@@ -18,7 +18,7 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> float:
     """Modelled step time: compute (`compute_seconds`), overlapped with gradient/parameter
-    traffic, plus collective launches and FSDP2's copies and host work per collective.
+    traffic, plus collective launches and FSDP2's copies and host work.
 
     Traffic per rank for a ring over N ranks moves (N-1)/N of the payload per pass: DDP
     all-reduces gradients (2 passes), ZeRO-2 all-gathers parameters once and reduce-scatters
@@ -40,8 +40,11 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
         return max(compute, 2 * reduced * ring / bandwidth) + buckets * hw.collective_latency_s
     passes = r.gathers
     copies = 2 * passes * gathered / hw.memory_bytes_per_s
-    # each unit's all-gathers and reduce-scatter: their launches, and FSDP2's own host work
-    launches = (passes + 1) * units * (hw.collective_latency_s + hw.fsdp_collective_s)
+    # each unit's all-gathers and reduce-scatter launched; FSDP2's own host work for every unit
+    # and each all-gather: every block's `passes`, the root's one (it stays gathered after
+    # forward, torch's default for the root)
+    host = units * hw.fsdp_unit_s + ((units - 1) * passes + 1) * hw.fsdp_gather_s
+    launches = (passes + 1) * units * hw.collective_latency_s + host
     if r.hybrid:
         # all-gathers and reduce-scatters within a node; then each rank all-reduces its gradient
         # shard (1/ranks_per_node of them) with its peers on the other nodes
@@ -86,13 +89,13 @@ def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -
             + profile.recompute_kernels(checkpointed)
         )
     # The whole optimizer step's, sharded or not: a sharded step moves a shard's bytes, but FSDP2
-    # has per-step work beyond its host time per collective (`step_seconds`) that the model does
-    # not count (on one H100 its step measured 1.4x to 3x the unwrapped one, benchmarks/
-    # RESULTS.md); crediting the shard alone would choose ZeRO over DDP for small models by the
-    # optimizer's saving. Offload is FSDP2 too, with that work and
-    # more, so it carries the same term (its own step on the host is added in `step_seconds`):
-    # left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for a 405B-shaped
-    # model, the whole step's 32 TB, and was chosen over it where both fit.
+    # has per-step work beyond its units' host time (`step_seconds`), its optimizer step's over
+    # DTensors above all, that the model does not count (on one H100 its step measured 1.4x to
+    # 3x the unwrapped one, benchmarks/RESULTS.md); crediting the shard alone would choose ZeRO
+    # over DDP for small models by the optimizer's saving. Offload is FSDP2 too, with that work
+    # and more, so it carries the same term (its own step on the host is added in
+    # `step_seconds`): left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for
+    # a 405B-shaped model, the whole step's 32 TB, and was chosen over it where both fit.
     traffic += stats.step_traffic_bytes
     operators += stats.step_operators
     device = flops / hw.flops_per_s + traffic / hw.memory_bytes_per_s

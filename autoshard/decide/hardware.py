@@ -27,9 +27,11 @@ class Hardware:
         kernel_launch_s: the least time one operator of an eager step takes, whatever its size:
             the host's dispatch and the kernel's launch. A step of many small operators is bound
             by it (the demo's GPT measured 13 ms a step on an H100, its FLOPs modelled at 0.0 ms).
-        fsdp_collective_s: FSDP2's own host work per collective of one unit, beside the
-            collective's launch: its hooks, the copy-in and copy-out of the unit's parameters
-            and gradients, their casts and its bookkeeping, which the step waits on.
+        fsdp_unit_s: FSDP2's own host work per unit and step, beside its collectives'
+            launches: its hooks in forward and backward, the reduce-scatter's copy-in, casts and
+            bookkeeping, which the step waits on.
+        fsdp_gather_s: FSDP2's own host work per all-gather of a unit: copy-in, copy-out and
+            casts (ZeRO-3 gathers each block twice a step, ZeRO-2 once).
         source: where the figures came from (constants, or which of them were measured).
     """
 
@@ -42,7 +44,8 @@ class Hardware:
     host_memory_bytes_per_s: float = 2e10
     # about a CUDA launch plus torch's dispatch of one operator on a current host
     kernel_launch_s: float = 5e-6
-    fsdp_collective_s: float = 0.0
+    fsdp_unit_s: float = 0.0
+    fsdp_gather_s: float = 0.0
     source: str = "constants for the device class"
 
 
@@ -51,7 +54,8 @@ _MEASURED = {
     "flops_per_s": "flops",
     "memory_bytes_per_s": "memory bytes",
     "kernel_launch_s": "operator launch time",
-    "fsdp_collective_s": "FSDP2's host time per collective",
+    "fsdp_unit_s": "FSDP2's host time per unit",
+    "fsdp_gather_s": "FSDP2's host time per all-gather",
 }
 
 
@@ -65,15 +69,18 @@ class Throughput:
             large copy.
         where: how and where they were measured, for the plan's reasons and reports.
         kernel_launch_s: seconds per operator of a run of tiny ones (`Hardware.kernel_launch_s`).
-        fsdp_collective_s: seconds of FSDP2's own host work per collective of one unit
-            (`Hardware.fsdp_collective_s`).
+        fsdp_unit_s: seconds of FSDP2's own host work per unit and step
+            (`Hardware.fsdp_unit_s`).
+        fsdp_gather_s: seconds of FSDP2's own host work per all-gather of a unit
+            (`Hardware.fsdp_gather_s`).
     """
 
     flops_per_s: float | None = None
     memory_bytes_per_s: float | None = None
     where: str = "measured"
     kernel_launch_s: float | None = None
-    fsdp_collective_s: float | None = None
+    fsdp_unit_s: float | None = None
+    fsdp_gather_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in _MEASURED:
@@ -127,7 +134,9 @@ def _constants(
     else:  # Volta/Turing: ~125 fp16 tensor cores, ~15 fp32
         flops = 6e13 if low_precision else 7e12
     # NVLink-class intra-node bus bandwidth, 200 Gb/s-class inter-node, HBM-class memory.
-    # FSDP2's host work per collective of a unit is the host's, not the GPU's: 0.26 ms (fp32) to
-    # 0.36 ms (bf16) measured by `measure.device._fsdp_collective_time` on a 2-core EPYC, torch
-    # 2.13 (benchmarks/RESULTS.md, 2026-11-28); `prepare` measures it on the training host.
-    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5, fsdp_collective_s=3e-4)
+    # FSDP2's own host work is the host's, not the GPU's: per unit and step 0.89-0.93 ms (bf16
+    # parameters) or 0.55-0.60 ms (fp32), per all-gather 0.25-0.31 ms, measured by
+    # `measure.device._fsdp_host_times` on a 2-core EPYC, torch 2.13 (benchmarks/RESULTS.md,
+    # 2026-11-28); `prepare` measures them on the training host.
+    unit = 9e-4 if low_precision else 6e-4
+    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5, fsdp_unit_s=unit, fsdp_gather_s=3e-4)

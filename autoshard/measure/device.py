@@ -1,6 +1,6 @@
 """The training GPU's own throughput for the cost model: matmul FLOP/s in the compute dtype,
-memory bandwidth, the time per operator launch and FSDP2's own host time per collective, measured
-once per process where `prepare` (or `plan` on a GPU machine) trains on this device.
+memory bandwidth, the time per operator launch and FSDP2's own host times, measured once per
+process where `prepare` (or `plan` on a GPU machine) trains on this device.
 
 The cost model's constants (`decide.hardware`) are round figures for a device class: on the H100
 of the first GPU run bf16 matmul measured 797 TFLOP/s against 400 assumed, memory 3.0 TB/s
@@ -8,18 +8,23 @@ against 2.0, and every modelled step was 3 to 10 times below the measured one. T
 stay for what-if plans (no device to measure); a plan made on the device uses what it measured,
 agreed across ranks (the slowest rank's), and says which it used (`Plan.cost_model`).
 
-FSDP2's host work per collective (its hooks, copy-in and copy-out, casts and bookkeeping, which
-the step waits on) is what made the first GPU run's FSDP2 steps slow: at 8 fake ranks (no real
+FSDP2's own host work (its hooks, copy-in and copy-out, casts and bookkeeping, which the step
+waits on) is what made the first GPU run's FSDP2 steps slow: at 8 fake ranks (no real
 collective) FULL_SHARD stepped 13 to 79 ms slower than the unwrapped model, 0.3 to 1.1 ms per
-collective of a unit, where the cost model charged 20 us. It is measured on a stack of tiny units
-whose collectives carry almost nothing and whose kernels take almost no time, sharded over a
-fake group, against the same stack unwrapped (`_fsdp_collective_time`).
+collective of a unit, where the cost model charged 20 us (benchmarks/RESULTS.md). It is
+measured on a stack of small units shaped like a transformer block (a norm and four linear
+layers: ten parameters), whose collectives carry almost nothing and whose kernels take almost no
+time, sharded over a fake group under ZeRO-2 and ZeRO-3, against the same stack unwrapped: what
+every unit costs a step, and what each all-gather adds (`_fsdp_host_times`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -45,7 +50,7 @@ _COPY_BYTES = 256 * 2**20
 _REPEATS = 5
 # A run of operators on one element each: their time is the host's dispatch and launch alone
 _TINY_OPERATORS = 200
-# FSDP2's host work: a stack of units this small does almost nothing else (`_fsdp_collective_time`)
+# FSDP2's host work: a stack of units this small does almost nothing else (`_fsdp_host_times`)
 _UNITS = 8
 _UNIT_WIDTH = 64
 
@@ -79,18 +84,16 @@ def _measure(device: torch.device, dtype: torch.dtype) -> Throughput:
         bandwidth = _copy_rate(device)
         launch = _launch_time(device)
         try:
-            fsdp: float | None = _fsdp_collective_time(device, dtype)
-        except Exception:  # noqa: BLE001 - the constant stands for this figure alone
+            unit, gather = _fsdp_host_times(device, dtype) or (None, None)
+        except Exception:  # noqa: BLE001 - the constants stand for these figures alone
             logger.debug("measuring FSDP2's host time failed", exc_info=True)
-            fsdp = None
+            unit = gather = None
     name = torch.cuda.get_device_name(device)
     where = (
         f"measured on {device} ({name}): a {_MATMUL}x{_MATMUL} {str(dtype).removeprefix('torch.')} "
-        f"matmul, a {_COPY_BYTES >> 20} MiB copy, {_TINY_OPERATORS} one-element additions"
+        f"matmul, a {_COPY_BYTES >> 20} MiB copy and {_TINY_OPERATORS} one-element additions"
     )
-    if fsdp is not None:
-        where += f" and {_UNITS} tiny FSDP2 units over a fake group"
-    return Throughput(flops, bandwidth, where, launch, fsdp)
+    return Throughput(flops, bandwidth, where, launch, unit, gather)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -115,36 +118,85 @@ def _launch_time(device: torch.device) -> float:
     return _fastest(device, run) / _TINY_OPERATORS
 
 
-def _fsdp_collective_time(device: torch.device, dtype: torch.dtype | None) -> float:
-    """Seconds of FSDP2's own host work per collective of one unit on `device`: a forward and
-    backward of `_UNITS` tiny linear units, each its own unit under FULL_SHARD (two all-gathers
-    and a reduce-scatter each) over a fake group (`fake.fake_mesh`: of the job's size inside a
-    job, where each rank makes it alone; of 2 outside one), computing in `dtype`, less the same
-    stack unwrapped, per collective. The fake collectives do nothing: their launches are the
-    cost model's `collective_latency_s`."""
+def _fsdp_host_times(device: torch.device, dtype: torch.dtype | None) -> tuple[float, float] | None:
+    """Seconds of FSDP2's own host work a step on `device`: per unit (its hooks in forward and
+    backward, the reduce-scatter's copy-in, casts and bookkeeping) and per all-gather of a unit
+    (copy-in, copy-out, casts). A forward and backward of `_UNITS` block-shaped units, each its
+    own unit, sharded under ZeRO-2 (gathered once) and ZeRO-3 (twice) over a fake group
+    (`fake.fake_mesh`: of the job's size inside a job, where each rank makes it alone; of 2
+    outside one), computing in `dtype`, against the same stack unwrapped; the runs interleaved,
+    the fastest of each taken. The fake collectives do nothing: their launches are the cost
+    model's `collective_latency_s`. None where the timings contradict themselves (the sharded
+    stack is not clearly slower than the unwrapped one, nor ZeRO-3 than ZeRO-2: a busy host).
+
+    Runs whatever the caller's grad mode, default device or autocast: `prepare` may be called
+    from under any of them."""
     in_job = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if in_job else (2, 0)
-    # the caller's random streams as they were (the units' weights and input draw from them)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    names = [str(i) for i in range(_UNITS)]
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast(device.type, enabled=False),
+        # the caller's random streams as they were (the units' weights and input draw from them)
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+    ):
         x = torch.randn(8, _UNIT_WIDTH, device=device)
-        plain = _units(device)
-        sharded = _units(device)
-    with fake_mesh(world, rank, device.type) as mesh:
-        shard_module(sharded, [str(i) for i in range(_UNITS)], mesh, Strategy.FULL_SHARD, dtype)
-        wrapped = _fastest(device, lambda: _step(sharded, x))
-    alone = _fastest(device, lambda: _step(plain, x))
-    collectives = 3 * _UNITS
-    return max(wrapped - alone, 1e-9) / collectives
+        plain, zero2, zero3 = (_units(device) for _ in range(3))
+        with fake_mesh(world, rank, device.type) as mesh:
+            shard_module(zero2, names, mesh, Strategy.SHARD_GRAD_OP, dtype)
+            shard_module(zero3, names, mesh, Strategy.FULL_SHARD, dtype)
+            runs = [functools.partial(_step, model, x) for model in (plain, zero2, zero3)]
+            alone, once, twice = _fastest_each(device, runs)
+    # a unit's hooks, copies and casts are tens of operators against a small block's few: a
+    # sharded stack less than twice the unwrapped one was timed on a disturbed host
+    if once < 2 * alone or twice <= once:
+        return None
+    gather = (twice - once) / _UNITS
+    unit = (once - alone) / _UNITS - gather
+    return (unit, gather) if unit > 0 else None
+
+
+class _Block(nn.Module):
+    """A transformer block's parameters in miniature: a norm and four linear layers."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(_UNIT_WIDTH, device=device)
+        self.linears = nn.ModuleList(
+            nn.Linear(_UNIT_WIDTH, _UNIT_WIDTH, device=device) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        for linear in self.linears:
+            x = linear(x)
+        return x
 
 
 def _units(device: torch.device) -> nn.Module:
-    return nn.Sequential(*(nn.Linear(_UNIT_WIDTH, _UNIT_WIDTH) for _ in range(_UNITS))).to(device)
+    return nn.Sequential(*(_Block(device) for _ in range(_UNITS)))
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).float().sum().backward()
     for param in model.parameters():
         param.grad = None
+
+
+def _fastest_each(device: torch.device, runs: Sequence[Callable[[], object]]) -> list[float]:
+    """The fastest time of each of `runs`, in seconds: each run once to warm up, then all of
+    them in turn `_REPEATS` times (a busy spell slows them alike), each synchronised."""
+    best = [math.inf] * len(runs)
+    for repeat in range(_REPEATS + 1):
+        for i, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if repeat:  # the first round warms up
+                best[i] = min(best[i], time.perf_counter() - started)
+    return best
 
 
 def _fastest(device: torch.device, run: Callable[[], object]) -> float:
@@ -161,8 +213,8 @@ def _fastest(device: torch.device, run: Callable[[], object]) -> float:
 
 def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     """`inputs` with the slowest rank's measured figures in the cost model, where every rank
-    measured them; else as they are (the constants). FSDP2's host time, which one rank may have
-    failed to measure, is taken where every rank measured it."""
+    measured them; else as they are (the constants). FSDP2's host times, which a rank may have
+    failed to measure (`_fsdp_host_times`), are taken where every rank measured them."""
     measured: list[Throughput] = [
         r.device_throughput for r in reports if r.device_throughput is not None
     ]
@@ -172,19 +224,24 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     slowest = min(measured, key=lambda t: t.flops_per_s or constants.flops_per_s)
     bandwidth = min(t.memory_bytes_per_s or constants.memory_bytes_per_s for t in measured)
     launch = max(t.kernel_launch_s or constants.kernel_launch_s for t in measured)
-    fsdp = [t.fsdp_collective_s for t in measured if t.fsdp_collective_s is not None]
-    everywhere = len(fsdp) == len(measured)
+    # FSDP2's host times, which one rank may have failed to measure, where every rank did
+    units = [t.fsdp_unit_s for t in measured if t.fsdp_unit_s is not None]
+    gathers = [t.fsdp_gather_s for t in measured if t.fsdp_gather_s is not None]
+    everywhere = len(units) == len(gathers) == len(measured)
     where = slowest.where + (f", the slowest of {len(reports)} ranks" if len(reports) > 1 else "")
-    names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host time per collective"
+    names = (
+        f"FLOP/s, memory bandwidth, operator launch time and FSDP2's host times ({_UNITS} small "
+        f"units over a fake group)"
+        if everywhere
+        else "FLOP/s, memory bandwidth and operator launch time"
+    )
     hardware = replace(
         constants,
         flops_per_s=slowest.flops_per_s or constants.flops_per_s,
         memory_bytes_per_s=bandwidth,
         kernel_launch_s=launch,
-        fsdp_collective_s=max(fsdp) if everywhere else constants.fsdp_collective_s,
-        source=(
-            f"{names if everywhere else 'FLOP/s, memory bandwidth and operator launch time'} "
-            f"{where}, otherwise {constants.source}"
-        ),
+        fsdp_unit_s=max(units) if everywhere else constants.fsdp_unit_s,
+        fsdp_gather_s=max(gathers) if everywhere else constants.fsdp_gather_s,
+        source=f"{names} {where}, otherwise {constants.source}",
     )
     return replace(inputs, hardware=hardware)
