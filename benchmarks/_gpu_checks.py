@@ -44,9 +44,9 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
 
 def calibrate(device: torch.device, dry_run: bool) -> dict[str, Any]:
     """Measured matmul FLOP/s (bf16 on CUDA, fp32 on the CPU dry run), memory bandwidth, time
-    per operator launch and FSDP2's host time per collective beside `hardware_for`'s constants;
-    a figure off by more than DISAGREEMENT is taken from the measurement (`Throughput`), and the
-    resulting `Hardware` is reported."""
+    per operator launch and FSDP2's host times (per unit, per all-gather) beside `hardware_for`'s
+    constants; a figure off by more than DISAGREEMENT, or measured where none is assumed, is
+    taken from the measurement (`Throughput`), and the resulting `Hardware` is reported."""
     low = device.type == "cuda"
     dtype = torch.bfloat16 if low else torch.float32
     n = 256 if dry_run else 8192
