@@ -64,6 +64,7 @@ from autoshard.measure.facts import (
 )
 from autoshard.measure.fake import caches_emptied, simulated_on
 from autoshard.measure.host import host_throughput, with_host
+from autoshard.measure.rates import with_model_rate
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.recipes import Engine, Job, available, recipe
 from autoshard.strategies.strategy import Strategy
@@ -192,7 +193,13 @@ def gather(call: Call, target: Target) -> _Gathered:
         buffer_digests(model) if in_job else {},
         cublas_workspaces(target.device, mp.dtype),  # after the free memory was read
         host_throughput(target.device, optimizer) if _weighs_offload(target, request) else None,
-        device_throughput(target.device, mp.dtype),
+        # the model's own FLOP/s too, at its traced shapes (a largest-batch probe's plans weigh
+        # memory alone)
+        with_model_rate(
+            device_throughput(target.device, mp.dtype),
+            target.device,
+            None if target.probe else measured.profile,
+        ),
     )
     work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
     reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]

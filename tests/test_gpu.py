@@ -242,3 +242,31 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     chose = next(r for r in plan.reasons if r.startswith("chose "))
     names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host times"
     assert f"{names} (8 small units over a fake group) measured on {device}" in chose, chose
+    # and the FLOP/s the model's own: its linears run again at their shapes (`measure.rates`)
+    assert "; FLOP/s the model's own, " in chose and "FLOP-bound calls (" in chose, chose
+
+
+def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:
+    """Issue 26: a grouped-query-attention decoder's forward, traced on fake CUDA tensors in
+    bf16, has its matmuls and CUDA's fused attention run again on the GPU at their shapes,
+    forward and backward; the rate of its step is a GPU's."""
+    import zoo
+
+    from autoshard.decide.blocks import find_blocks
+    from autoshard.measure import rates
+    from autoshard.measure.device import device_throughput
+    from autoshard.measure.trace import profile_step
+
+    device = _device()
+    built = zoo.BUILDERS["llama"](
+        4, device=device, width=512, depth=2, heads=8, kv_heads=2, seq_len=1024, vocab_size=4096
+    )
+    blocks = [m for _, m in find_blocks(built.model)]
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, torch.bfloat16)
+    attention = [c for c in profile.priced_calls if "attention" in c.operator]
+    assert attention and all(c.arguments for c in profile.priced_calls)
+    rates._run_again(attention[0], device)()  # CUDA's fused kernel, forward and backward
+    peak = device_throughput(device, torch.bfloat16)
+    assert peak is not None and peak.flops_per_s is not None
+    found = rates.model_rate(device, profile, peak.flops_per_s)
+    assert found is not None and found[0] > 1e12, found  # a GPU's, not a CPU's

@@ -73,6 +73,10 @@ class Throughput:
             (`Hardware.fsdp_unit_s`).
         fsdp_gather_s: seconds of FSDP2's own host work per all-gather of a unit
             (`Hardware.fsdp_gather_s`).
+        model_flops_per_s: the FLOP/s of one model's own step, its FLOP-bound operators run
+            at their own shapes (`measure.rates`): the cost model's FLOP/s for that model's
+            plan, in place of `flops_per_s`.
+        model_where: how that was measured.
     """
 
     flops_per_s: float | None = None
@@ -81,9 +85,11 @@ class Throughput:
     kernel_launch_s: float | None = None
     fsdp_unit_s: float | None = None
     fsdp_gather_s: float | None = None
+    model_flops_per_s: float | None = None
+    model_where: str = ""
 
     def __post_init__(self) -> None:
-        for name in _MEASURED:
+        for name in (*_MEASURED, "model_flops_per_s"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -106,7 +112,7 @@ def hardware_for(
     measured: Throughput | None = None,
 ) -> Hardware:
     """Round figures for the device class: about half the datasheet peak, as training sustains;
-    each figure `measured` gives replaces its constant."""
+    each figure `measured` gives replaces its constant (FLOP/s the model's own, where measured)."""
     hardware = _constants(device_type, capability, low_precision)
     if measured is None:
         return hardware
@@ -114,7 +120,11 @@ def hardware_for(
     if not taken:
         return hardware
     names = " and ".join(_MEASURED[name] for name in taken)
-    return replace(hardware, **taken, source=f"{names} {measured.where}; the rest constants")
+    source = f"{names} {measured.where}; the rest constants"
+    if measured.model_flops_per_s is not None:
+        taken["flops_per_s"] = measured.model_flops_per_s
+        source = f"{source}; FLOP/s the model's own: {measured.model_where}"
+    return replace(hardware, **taken, source=source)
 
 
 def _constants(

@@ -8,6 +8,37 @@ import torch
 
 
 @dataclass(frozen=True)
+class PricedCall:
+    """One FLOP-bound operator of the forward (a matmul, a convolution, attention) at one set of
+    arguments, and how often it ran: what `measure.rates` runs again on the device to time the
+    model's own FLOPs at their own shapes.
+
+    Attributes:
+        operator: the operator overload's name ("aten.mm.default").
+        arguments: its positional and keyword arguments as JSON, each tensor as
+            {"tensor": [shape, stride, dtype, requires_grad]}; "" where one could not be
+            written so (the call is then not run again).
+        flops: forward FLOPs of one call.
+        block_calls: its calls in each block, in block order.
+        other_calls: its calls outside the blocks (embeddings, head, loss).
+    """
+
+    operator: str
+    arguments: str
+    flops: int
+    block_calls: tuple[int, ...]
+    other_calls: int
+
+    @property
+    def calls(self) -> int:
+        return sum(self.block_calls) + self.other_calls
+
+    @property
+    def total_flops(self) -> int:
+        return self.flops * self.calls
+
+
+@dataclass(frozen=True)
 class ActivationProfile:
     """What one step of the example batch saves and computes (per rank, unsharded model).
 
@@ -43,6 +74,8 @@ class ActivationProfile:
         block_backward_traffic, block_backward_kernels: the same in each block's backward.
         forward_traffic, forward_kernels: the same of the whole forward and loss.
         backward_traffic, backward_kernels: the same of the whole backward.
+        priced_calls: the forward's FLOP-bound operators, one per distinct call (`PricedCall`);
+            empty where the step was measured on real tensors at a few rows.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -66,6 +99,7 @@ class ActivationProfile:
     forward_kernels: int = 0
     backward_traffic: int = 0
     backward_kernels: int = 0
+    priced_calls: tuple[PricedCall, ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:

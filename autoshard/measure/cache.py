@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from autoshard.decide.estimate import Phase, Simulated
-from autoshard.decide.profile import ActivationProfile
+from autoshard.decide.profile import ActivationProfile, PricedCall
 
 logger = logging.getLogger("autoshard")
 
@@ -487,6 +487,16 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         forward_kernels=_int(value["forward_kernels"]),
         backward_traffic=_int(value["backward_traffic"]),
         backward_kernels=_int(value["backward_kernels"]),
+        priced_calls=tuple(
+            PricedCall(
+                _str(c["operator"]),
+                _str(c["arguments"]),
+                _int(c["flops"]),
+                tuple(map(_int, c["block_calls"])),
+                _int(c["other_calls"]),
+            )
+            for c in value["priced_calls"]
+        ),
     )
 
 

@@ -206,7 +206,8 @@ def _fastest(device: torch.device, run: Callable[[], object]) -> float:
 def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     """`inputs` with the slowest rank's measured figures in the cost model, where every rank
     measured them; else as they are (the constants). FSDP2's host times, which a rank may have
-    failed to measure (`_fsdp_host_times`), are taken where every rank measured them."""
+    failed to measure (`_fsdp_host_times`), are taken where every rank measured them, as is the
+    model's own FLOP/s (`measure.rates`), which stands for the large matmul's."""
     measured: list[Throughput] = [
         r.device_throughput for r in reports if r.device_throughput is not None
     ]
@@ -220,6 +221,7 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     units = [t.fsdp_unit_s for t in measured if t.fsdp_unit_s is not None]
     gathers = [t.fsdp_gather_s for t in measured if t.fsdp_gather_s is not None]
     everywhere = len(units) == len(gathers) == len(measured)
+    own = [t for t in measured if t.model_flops_per_s is not None]
     where = slowest.where + (f", the slowest of {len(reports)} ranks" if len(reports) > 1 else "")
     names = (
         f"FLOP/s, memory bandwidth, operator launch time and FSDP2's host times ({_UNITS} small "
@@ -227,13 +229,19 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
         if everywhere
         else "FLOP/s, memory bandwidth and operator launch time"
     )
+    flops = slowest.flops_per_s or constants.flops_per_s
+    source = f"{names} {where}"
+    if len(own) == len(measured):
+        model = min(own, key=lambda t: t.model_flops_per_s or 0.0)
+        flops = model.model_flops_per_s or flops
+        source += f"; FLOP/s the model's own, {model.model_where}"
     hardware = replace(
         constants,
-        flops_per_s=slowest.flops_per_s or constants.flops_per_s,
+        flops_per_s=flops,
         memory_bytes_per_s=bandwidth,
         kernel_launch_s=launch,
         fsdp_unit_s=max(units) if everywhere else constants.fsdp_unit_s,
         fsdp_gather_s=max(gathers) if everywhere else constants.fsdp_gather_s,
-        source=f"{names} {where}, otherwise {constants.source}",
+        source=f"{source}, otherwise {constants.source}",
     )
     return replace(inputs, hardware=hardware)

@@ -13,7 +13,9 @@ What is measured:
   activations matter more than the count;
 - the bytes read and written by the operators without a FLOP formula, and the operators run
   (`_Traffic`), per block and whole, forward and backward: the memory-bound and the launch-bound
-  parts of the modelled step.
+  parts of the modelled step;
+- the forward's FLOP-bound calls, each with its arguments' shapes and where it ran
+  (`measure.priced`): what `measure.rates` runs again on the device for the model's own FLOP/s.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from autoshard._torch_compat import (
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
 from autoshard.measure.fake import attributes_kept, fake_tensor, wider_fake_kernels
+from autoshard.measure.priced import PricedCalls
 
 logger = logging.getLogger("autoshard")
 
@@ -153,7 +156,7 @@ def profile_step(
     formulas = _FlopFormulas()
     priced = formulas.mapping()
     counter = FlopCounterMode(display=False, custom_mapping=priced)
-    traffic = _Traffic(len(blocks), frozenset(priced))
+    traffic = _Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model, None if real else device)
     autocast = autocast_for(device_type, autocast_dtype)
@@ -169,6 +172,7 @@ def profile_step(
         # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
         taken["formulas"] = sorted(formulas.by_own), sorted(formulas.uncounted)
         attribution.forward_done()
+        traffic.in_forward = False
         loss.backward()
 
     try:
@@ -216,6 +220,7 @@ def profile_step(
         forward_kernels=taken["traffic"][1],
         backward_traffic=traffic.bytes - taken["traffic"][0],
         backward_kernels=traffic.kernels - taken["traffic"][1],
+        priced_calls=traffic.priced_calls.result(),
     )
 
 
@@ -264,6 +269,7 @@ def profile_scaled(
         block_backward_traffic=lines(one.block_backward_traffic, two.block_backward_traffic),
         forward_traffic=line(one.forward_traffic, two.forward_traffic),
         backward_traffic=line(one.backward_traffic, two.backward_traffic),
+        priced_calls=(),  # at two rows: not the batch's shapes, which their timing needs
     )  # operators run: as at two rows (a row more runs the same kernels, only larger)
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
 
@@ -463,7 +469,11 @@ class _Traffic(TorchDispatchMode):
     end (the model's start, for the first) to its own; in backward, from where autograd reaches
     the block's outputs to where it reaches another block's (the first block's take in what
     follows it: the embedding's backward, which its forward figures hold too). The head and the
-    loss, after the last block, are the model's own."""
+    loss, after the last block, are the model's own.
+
+    The forward's FLOP-bound operators are also recorded, one per distinct call, with their
+    FLOPs (`flops`: the FLOP counter's total, which counts each before this mode returns) and
+    the block they ran in (`priced_calls`): what `measure.rates` times on the device."""
 
     # no data moved: metadata, allocations, and views torch does not mark as such (the
     # reshape after a batched matmul, in-place views)
@@ -485,9 +495,15 @@ class _Traffic(TorchDispatchMode):
         }
     )
 
-    def __init__(self, n_blocks: int, priced: frozenset[Any]) -> None:
+    def __init__(
+        self, n_blocks: int, priced: frozenset[Any], flops: Callable[[], int] | None = None
+    ) -> None:
         super().__init__()
         self.priced = priced  # operators (packets) the FLOP count prices
+        self.flops = flops
+        self.priced_calls = PricedCalls(n_blocks)
+        self.in_forward = True
+        self.block: int | None = None  # the block whose forward runs now
         self.bytes = 0
         self.kernels = 0
         self.block_bytes = [0] * n_blocks
@@ -500,8 +516,12 @@ class _Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         packet = func.overloadpacket
+        counted = self.flops if self.in_forward and packet in self.priced else None
+        before = 0 if counted is None else counted()
+        out = func(*args, **kwargs)
+        if counted is not None:
+            self.priced_calls.record(func, args, kwargs, counted() - before, self.block)
         if func.is_view or packet in self._FREE:
             return out
         moved = 0
@@ -519,6 +539,7 @@ class _Traffic(TorchDispatchMode):
         return out
 
     def enter(self, index: int) -> None:
+        self.block = index
         self.block_bytes[index] = -self.since[0]
         self.block_kernels[index] = -self.since[1]
 
@@ -526,6 +547,7 @@ class _Traffic(TorchDispatchMode):
         self.block_bytes[index] += self.bytes
         self.block_kernels[index] += self.kernels
         self.since = (self.bytes, self.kernels)
+        self.block = None
         self.mark(index, outputs)
 
     def mark(self, index: int, outputs: Any) -> None:
@@ -635,4 +657,10 @@ def extended(
         forward_kernels=whole(profile.forward_kernels, profile.block_forward_kernels),
         backward_traffic=whole(profile.backward_traffic, profile.block_backward_traffic),
         backward_kernels=whole(profile.backward_kernels, profile.block_backward_kernels),
+        priced_calls=tuple(  # the most FLOPs first, as the whole model's trace orders them
+            sorted(
+                (replace(c, block_calls=each(c.block_calls)) for c in profile.priced_calls),
+                key=lambda c: -c.total_flops,
+            )
+        ),
     )

@@ -1,0 +1,263 @@
+"""The model's own FLOP/s (`measure.rates`, issue 26): the trace records each FLOP-bound call of
+the forward (`measure.priced`), which is run again on the device at its own shapes, forward and
+backward, and timed; the cost model prices the model's FLOPs at that rate. Timings are never
+asserted here: where a figure is checked, the timer is given (tests/test_gpu.py measures them on a
+GPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+import torch
+from _dist import REPO
+from test_plan import AMPLE, make_inputs
+
+import autoshard
+import autoshard.pipeline as pipeline
+from autoshard import Strategy
+from autoshard._world import Memory, RankReport
+from autoshard.decide.blocks import find_blocks
+from autoshard.decide.cost import compute_seconds
+from autoshard.decide.hardware import Throughput, hardware_for
+from autoshard.decide.profile import ActivationProfile, PricedCall
+from autoshard.measure import cache, facts
+from autoshard.measure import rates as rates_module
+from autoshard.measure.device import with_device
+from autoshard.measure.fake import unavailable
+from autoshard.measure.priced import arguments_json
+from autoshard.measure.rates import model_rate, with_model_rate
+from autoshard.measure.trace import profile_step
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import zoo  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+GPU = hardware_for("cuda", (9, 0), True)
+CPU = torch.device("cpu")
+
+
+def _llama(depth: int = 4, rows: int = 2) -> zoo.ZooModel:
+    return zoo.BUILDERS["llama"](
+        rows, width=64, depth=depth, heads=4, kv_heads=2, seq_len=32, vocab_size=256
+    )
+
+
+def _blocks(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Module]]:
+    found = find_blocks(model)
+    return [n for n, _ in found], [m for _, m in found]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_trace_records_each_flop_bound_call_of_the_forward(dtype: torch.dtype | None) -> None:
+    """Every forward FLOP is in one recorded call; each block runs its projections, attention
+    and MLP alike, the head runs outside the blocks; each tensor is written with its shape,
+    strides, dtype (autocast's) and whether it requires a gradient."""
+    built = _llama()
+    names, blocks = _blocks(built.model)
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, dtype)
+    calls = profile.priced_calls
+    assert sum(c.total_flops for c in calls) == profile.total_forward_flops > 0
+    assert [c.total_flops for c in calls] == sorted((c.total_flops for c in calls), reverse=True)
+    in_blocks = [c for c in calls if c.other_calls == 0]
+    assert in_blocks and all(len(set(c.block_calls)) == 1 for c in in_blocks)  # alike blocks
+    head = [c for c in calls if c.other_calls]
+    assert len(head) == 1 and sum(head[0].block_calls) == 0  # the vocabulary's projection
+    arguments = json.loads(head[0].arguments)["args"]
+    x, weight = (a["tensor"] for a in arguments)
+    tokens = built.batch[0].numel()
+    assert x[0] == [tokens, 64] and weight[0] == [64, 256] and weight[1] == [1, 64]  # W.t()
+    assert x[2] == weight[2] == ("float32" if dtype is None else "bfloat16")
+    assert x[3] and weight[3]  # both need a gradient
+    assert head[0].flops == 2 * tokens * 64 * 256
+    attention = [c for c in calls if "attention" in c.operator]
+    assert len(attention) == 1 and attention[0].block_calls == (1,) * len(blocks)
+
+
+def test_a_shallow_trace_extends_each_call_to_every_block() -> None:
+    """A model of 16 alike blocks is traced on 3 of them and extended: its calls, block by
+    block, are the whole model's trace's."""
+    built = _llama(depth=16)
+    names, blocks = _blocks(built.model)
+    shallow = facts._profile(built.model, blocks, built.batch, built.loss_fn, None, names)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(facts, "repeats", lambda *args: None)
+        whole = facts._profile(built.model, blocks, built.batch, built.loss_fn, None, names)
+    assert shallow.priced_calls == whole.priced_calls
+    assert all(len(c.block_calls) == 16 for c in shallow.priced_calls)
+
+
+def test_the_calls_survive_the_cache() -> None:
+    built = _llama()
+    _, blocks = _blocks(built.model)
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, torch.bfloat16)
+    assert profile.priced_calls
+    written = json.loads(json.dumps(cache.profile_to_json(profile)))
+    assert cache.profile_from_json(written) == profile
+
+
+def test_a_profile_scaled_from_a_few_rows_keeps_no_call() -> None:
+    """Measured on real tensors at one and two rows of four and scaled, the calls' shapes are not
+    the batch's; a batch of two rows is measured as it is, and its calls are its own."""
+    from autoshard.measure.trace import profile_scaled
+
+    for rows, kept in ((4, False), (2, True)):
+        built = _llama(rows=rows)
+        _, blocks = _blocks(built.model)
+        profile, _ = profile_scaled(built.model, blocks, built.batch, built.loss_fn, None)
+        assert bool(profile.priced_calls) == kept, rows
+
+
+def _mm(rows: int, inner: int, cols: int, calls: int, dtype: str = "float32") -> PricedCall:
+    x = torch.empty(rows, inner, requires_grad=True)
+    w = torch.empty(cols, inner, requires_grad=True).t()
+    arguments = arguments_json((x.to(getattr(torch, dtype)), w.to(getattr(torch, dtype))), {})
+    return PricedCall("aten.mm.default", arguments, 2 * rows * inner * cols, (calls,), 0)
+
+
+def _profile(*calls: PricedCall, rest: int = 0) -> ActivationProfile:
+    total = sum(c.total_flops for c in calls) + rest
+    return ActivationProfile(
+        (0,), (0,), 0, 0, 0, (total,), total, torch.float32, priced_calls=calls
+    )
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> list[int]:
+    """The timer gives `seconds`, one per call timed, each run once; returns how many it got."""
+    got: list[int] = []
+
+    def timer(device: torch.device, runs: list[Callable[[], object]]) -> list[float]:
+        for run in runs:
+            run()
+        got.append(len(runs))
+        return seconds[: len(runs)]
+
+    monkeypatch.setattr(rates_module, "_fastest_each", timer)
+    return got
+
+
+def test_the_model_s_rate_prices_each_call_as_often_as_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three times the forward's FLOPs over the seconds they take: each timed call's forward and
+    backward as often as the model runs it, the calls not timed at the large matmul's rate."""
+    big, small = _mm(64, 32, 48, calls=1), _mm(16, 32, 8, calls=5)  # 81%, then 98% of the FLOPs
+    peak = 1e9
+    _timed(monkeypatch, [2e-3, 5e-4])
+    rate, where = model_rate(CPU, _profile(big, small, rest=4000), peak) or (0.0, "")
+    total = big.total_flops + small.total_flops + 4000
+    seconds = 2e-3 + 5 * 5e-4 + 3 * 4000 / peak
+    assert math.isclose(rate, 3 * total / seconds, rel_tol=1e-12)
+    assert where.startswith("2 of its FLOP-bound calls (mm; 98% of its FLOPs) run forward and")
+
+
+def test_calls_are_timed_until_they_hold_most_of_the_flops(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [_mm(64, 64, 64, calls=1) for _ in range(10)]  # 8 hold 80% of the FLOPs
+    got = _timed(monkeypatch, [1e-3] * 10)
+    model_rate(CPU, _profile(*calls), 1e9)
+    assert got == [rates_module._MOST]
+    got.clear()
+    model_rate(CPU, _profile(_mm(64, 64, 64, calls=95), _mm(8, 8, 8, calls=5)), 1e9)
+    assert got == [1]  # the first holds 90% and more of the FLOPs
+
+
+def test_calls_that_cannot_run_again_are_priced_at_the_large_matmul_s_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An integer tensor (indices, offsets: their values matter), arguments that could not be
+    written, a call larger than the budget: not timed."""
+    offsets = arguments_json(
+        (torch.empty(8, 4), torch.empty(4, 8), torch.zeros(2, dtype=torch.int32)), {}
+    )
+    grouped = PricedCall("aten._grouped_mm.default", offsets, 10**6, (1,), 0)
+    unwritten = PricedCall("aten.mm.default", "", 10**6, (1,), 0)
+    large = _mm(256, 256, 256, calls=1)
+    small = _mm(8, 8, 8, calls=1)
+    monkeypatch.setattr(rates_module, "_BYTES", 256 * 256 * 4 * 4)  # less than the large needs
+    got = _timed(monkeypatch, [1e-3])
+    profile = _profile(grouped, unwritten, large, small)
+    rate, where = model_rate(CPU, profile, 1e9) or (0.0, "")
+    assert got == [1] and where.startswith("1 of its FLOP-bound calls (mm; 0% of its FLOPs)")
+    rest = profile.total_forward_flops - small.total_flops
+    assert math.isclose(rate, 3 * profile.total_forward_flops / (1e-3 + 3 * rest / 1e9))
+    _timed(monkeypatch, [])
+    assert model_rate(CPU, _profile(grouped, unwritten), 1e9) is None
+
+
+def test_a_call_runs_at_its_own_shapes_strides_and_dtype_forward_and_backward() -> None:
+    call = _mm(16, 32, 8, calls=1, dtype="bfloat16")
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.mm.default:
+                seen.append(args)
+            return func(*args, **(kwargs or {}))
+
+    run = rates_module._run_again(call, CPU)
+    seen.clear()
+    with Spy():
+        run()
+    forward = seen[0]
+    assert [tuple(t.shape) for t in forward] == [(16, 32), (32, 8)]
+    assert forward[1].stride() == (1, 32) and {t.dtype for t in forward} == {torch.bfloat16}
+    assert len(seen) == 3  # and the gradients of both inputs
+
+
+def test_the_slowest_rank_s_model_rate_replaces_the_matmul_s_and_says_so() -> None:
+    inputs = make_inputs(2, AMPLE, hardware=GPU)
+    where = "measured on cuda:0 (H100): a 4096x4096 bfloat16 matmul"
+
+    def report(rank: int, own: float | None) -> RankReport:
+        figures = Throughput(8e14, 3e12, where, 4e-6, None, None, own, "5 of its calls")
+        return RankReport(rank, "h", Memory(1, 1, ""), (), None, None, device_throughput=figures)
+
+    taken = with_device(inputs, [report(0, 5e14), report(1, 4e14)])
+    assert taken.hardware.flops_per_s == 4e14
+    assert "FLOP/s the model's own, 5 of its calls" in taken.hardware.source
+    assert compute_seconds(taken, Strategy.DDP, 0) > compute_seconds(
+        with_device(inputs, [report(0, None), report(1, None)]), Strategy.DDP, 0
+    )
+    # a rank without it: the large matmul's, and not named
+    mixed = with_device(inputs, [report(0, 5e14), report(1, None)])
+    assert mixed.hardware.flops_per_s == 8e14 and "model's own" not in mixed.hardware.source
+    # a report's figures read back by the GPU suite's calibration
+    read = hardware_for("cuda", (9, 0), True, report(0, 3e14).device_throughput)
+    assert read.flops_per_s == 3e14 and "FLOP/s the model's own" in read.source
+
+
+def test_the_model_rate_must_be_a_positive_number() -> None:
+    with pytest.raises(ValueError, match="model_flops_per_s"):
+        Throughput(model_flops_per_s=0.0)
+
+
+def test_a_plan_on_a_measured_device_prices_its_flops_at_the_model_s_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the device's figures are measured (on a GPU; given here), the model's calls are run
+    again and their rate is the cost model's, named in the plan; a largest-batch probe runs
+    none (its plans weigh memory alone)."""
+    measured = Throughput(2e11, 1e11, "measured here", 1e-6)
+    monkeypatch.setattr(pipeline, "device_throughput", lambda device, dtype: measured)
+    ran: list[int] = []
+
+    def rate(device: torch.device, profile: ActivationProfile, peak: float) -> tuple[float, str]:
+        assert peak == 2e11 and profile.priced_calls
+        ran.append(len(profile.priced_calls))
+        return 5e10, "its calls, timed"
+
+    monkeypatch.setattr(rates_module, "model_rate", rate)
+    built = _llama()
+    plan = autoshard.plan(
+        built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, device_memory="1GiB"
+    )
+    chose = plan.reasons[-1]
+    assert "FLOP/s the model's own, its calls, timed" in chose and len(ran) == 1, chose
+    assert with_model_rate(None, CPU, None) is None
+    assert with_model_rate(measured, CPU, None) == measured
+    assert with_model_rate(measured, CPU, replace(_profile(), priced_calls=())) == measured
