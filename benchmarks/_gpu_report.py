@@ -130,8 +130,8 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
         f"measured) / measured",
         "",
         "| model | world | strategy | AdamW | AC | params | estimate | measured | error | "
-        "reserved | usable | step (measured) | modelled (constants) | "
-        "modelled (measured throughput) |",
+        "reserved | usable | step (measured) | modelled (the plan's) | "
+        "modelled (a large matmul's FLOP/s) |",
         "|" + "---|" * 14,
     ]
     for r in result["rows"]:

@@ -1,0 +1,28 @@
+"""benchmarks/own_rate.py runs end to end on a tiny model: the step measured on this machine
+beside the cost model's, its FLOP/s a large matmul's and the model's own (`measure.rates`). The
+figures are timings, never asserted; this checks that it runs and reports each of them."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from _dist import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import own_rate  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_benchmark_reports_both_modelled_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert own_rate.main(["--smoke"]) == 0
+    output = capsys.readouterr().out
+    rows = [line for line in output.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 1, output
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert re.fullmatch(r"[\d.]+ ms", cells[1]), cells  # measured
+    assert all(re.fullmatch(r"[\d.]+ G", c) for c in cells[2:4]), cells  # both FLOP/s
+    assert all(re.fullmatch(r"[\d.]+ ms \([+-]\d+%\)", c) for c in cells[4:6]), cells
+    assert cells[6].endswith("run forward and backward at its own shapes"), cells
