@@ -29,7 +29,7 @@ from autoshard.measure import cache, facts
 from autoshard.measure import rates as rates_module
 from autoshard.measure.device import with_device
 from autoshard.measure.fake import unavailable
-from autoshard.measure.priced import arguments_json
+from autoshard.measure.priced import PricedCalls, arguments_json, read
 from autoshard.measure.rates import model_rate, with_model_rate
 from autoshard.measure.trace import profile_step
 
@@ -138,6 +138,7 @@ def _timed(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> list[int]:
         return seconds[: len(runs)]
 
     monkeypatch.setattr(rates_module, "_fastest_each", timer)
+    monkeypatch.setattr(rates_module, "_RUN_S", 0.0)  # each call in one copy
     return got
 
 
@@ -189,24 +190,52 @@ def test_calls_that_cannot_run_again_are_priced_at_the_large_matmul_s_rate(
     assert model_rate(CPU, _profile(grouped, unwritten), 1e9) is None
 
 
-def test_a_call_runs_at_its_own_shapes_strides_and_dtype_forward_and_backward() -> None:
+class _Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The arguments of each matmul run meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.mm.default:
+            self.seen.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_call_runs_at_its_own_shapes_strides_and_dtype_forward_and_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(rates_module, "_RUN_S", 0.0)
     call = _mm(16, 32, 8, calls=1, dtype="bfloat16")
-    seen: list[tuple[torch.Tensor, ...]] = []
-
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func is torch.ops.aten.mm.default:
-                seen.append(args)
-            return func(*args, **(kwargs or {}))
-
-    run = rates_module._run_again(call, CPU)
-    seen.clear()
-    with Spy():
+    run, copies, _ = rates_module._run_again(call, CPU)
+    with _Matmuls() as matmuls:
         run()
-    forward = seen[0]
+    forward = matmuls.seen[0]
     assert [tuple(t.shape) for t in forward] == [(16, 32), (32, 8)]
     assert forward[1].stride() == (1, 32) and {t.dtype for t in forward} == {torch.bfloat16}
-    assert len(seen) == 3  # and the gradients of both inputs
+    assert copies == 1 and len(matmuls.seen) == 3  # and the gradients of both inputs
+
+
+def test_a_small_call_runs_in_copies_and_is_timed_per_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forwards of its copies one after another, then one backward of them all, so that
+    the host's own work per copy (an `autograd.grad` a run) is not the call's time."""
+    monkeypatch.setattr(rates_module, "_RUN_S", 1.0)  # far longer than a small matmul here
+    monkeypatch.setattr(rates_module, "_COPIES", 4)
+    call = _mm(16, 32, 8, calls=5)
+    run, copies, held = rates_module._run_again(call, CPU)
+    with _Matmuls() as matmuls:
+        run()
+    assert copies == 4 and len(matmuls.seen) == 4 + 2 * 4
+    inputs, output = (16 * 32 + 32 * 8) * 4, 16 * 8 * 4
+    assert held == inputs + 4 * (2 * output + inputs)  # the inputs shared; each copy's own
+    # the budget bounds the copies
+    _, fewer, _ = rates_module._run_again(call, CPU, budget=inputs + 2 * (2 * output + inputs))
+    assert fewer == 2
+    # timed per copy, each as often as the model runs it
+    monkeypatch.setattr(rates_module, "_fastest_each", lambda device, runs: [4e-3] * len(runs))
+    rate, _ = model_rate(CPU, _profile(call), 1e9) or (0.0, "")
+    assert math.isclose(rate, 3 * call.total_flops / (5 * 1e-3), rel_tol=1e-12)
 
 
 def test_the_slowest_rank_s_model_rate_replaces_the_matmul_s_and_says_so() -> None:
@@ -261,3 +290,111 @@ def test_a_plan_on_a_measured_device_prices_its_flops_at_the_model_s_rate(
     assert with_model_rate(None, CPU, None) is None
     assert with_model_rate(measured, CPU, None) == measured
     assert with_model_rate(measured, CPU, replace(_profile(), priced_calls=())) == measured
+
+
+# ---------------------------------------------------------------------------------------------
+# From a review of a9adbe9: recording never fails the trace, and records what training runs
+
+
+class _Nested(torch.nn.Module):
+    """A matmul of nested tensors: its arguments cannot be written (nor run on fake tensors:
+    traced on real ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ragged = torch.nested.nested_tensor([x[0, :2], x[1, :3]], layout=torch.strided)
+        weights = torch.nested.nested_tensor([self.w, self.w], layout=torch.strided)
+        y = torch.bmm(ragged, weights)
+        return x + y.to_padded_tensor(0.0, (2, 3, 4)) @ self.w
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_call_whose_arguments_cannot_be_written_keeps_the_trace() -> None:
+    """It is kept under its own FLOPs, unwritten; the activations are traced as before."""
+    blocks = torch.nn.ModuleList([_Nested(), _Nested()])
+    model = torch.nn.Sequential(*blocks)
+    batch = (torch.randn(2, 3, 4),)
+    profile = profile_step(model, list(blocks), batch, lambda o, b: o.sum(), None, real=True)
+    assert profile.block_saved_bytes[0] > 0
+    assert sum(c.total_flops for c in profile.priced_calls) == profile.total_forward_flops
+    assert any(not c.arguments for c in profile.priced_calls)
+
+
+def test_calls_not_written_keep_each_its_own_flops() -> None:
+    """Keyed by their FLOPs, not merged into one record of the largest."""
+    calls = PricedCalls(1)
+    unwritable = (torch.device("cpu"),)  # no priced operator takes one: JSON here has none
+    for flops, block in ((100, 0), (300, 0), (100, None)):
+        calls.record(torch.ops.aten.mm.default, unwritable, {}, flops, block, True)
+    made = calls.result()
+    assert [(c.flops, c.block_calls, c.other_calls, c.arguments) for c in made] == [
+        (300, (1,), 0, ""),
+        (100, (1,), 1, ""),
+    ]
+
+
+def test_dtypes_and_memory_formats_are_written_and_read_back() -> None:
+    written = arguments_json(
+        (torch.empty(2, 3),), {"out_dtype": torch.bfloat16, "memory_format": torch.channels_last}
+    )
+    spec = json.loads(written)
+
+    def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> str:
+        return f"{shape} {stride} {dtype} {grad}"
+
+    assert read(spec["args"], tensor) == ["[2, 3] [3, 1] torch.float32 False"]
+    kwargs = {k: read(v, tensor) for k, v in spec["kwargs"].items()}
+    assert kwargs == {"out_dtype": torch.bfloat16, "memory_format": torch.channels_last}
+
+
+def test_the_order_of_calls_does_not_depend_on_the_order_met() -> None:
+    a = ((torch.empty(4, 8), torch.empty(8, 2)), 64)
+    b = ((torch.empty(4, 2), torch.empty(2, 8)), 64)  # as many FLOPs
+    results = []
+    for first, second in ((a, b), (b, a)):
+        calls = PricedCalls(1)
+        for args, flops in (first, second):
+            calls.record(torch.ops.aten.mm.default, args, {}, flops, 0, True)
+        results.append(calls.result())
+    assert results[0] == results[1]
+
+
+class _Reentrant(torch.nn.Module):
+    """Checkpointed as scripts still do, `use_reentrant=True`: its forward runs without
+    gradients, again in backward with them, and its backward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda x: self.b(torch.relu(self.a(x))), x, use_reentrant=True)
+
+
+def test_calls_of_a_block_checkpointed_reentrantly_are_run_with_their_backward() -> None:
+    blocks = torch.nn.ModuleList([_Reentrant(), _Reentrant()])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *blocks)
+    profile = profile_step(model, list(blocks), (torch.randn(4, 8),), lambda o, b: o.sum(), None)
+    inside = [c for c in profile.priced_calls if sum(c.block_calls)]
+    assert inside
+    for call in inside:
+        tensors = [a["tensor"] for a in json.loads(call.arguments)["args"] if isinstance(a, dict)]
+        assert all(needs for *_, needs in tensors), call.arguments
+
+
+def test_calls_holding_more_than_the_forward_s_flops_give_a_finite_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The records hold a call the forward's total misses (a block run twice, traced once): the
+    rest is no negative time."""
+    call = _mm(16, 16, 16, calls=4)
+    profile = replace(_profile(call), total_forward_flops=call.total_flops // 2)
+    _timed(monkeypatch, [1e-3])
+    rate, where = model_rate(CPU, profile, 1e9) or (0.0, "")
+    assert math.isclose(rate, 3 * profile.total_forward_flops / (4 * 1e-3), rel_tol=1e-12)
+    assert "100% of its FLOPs" in where

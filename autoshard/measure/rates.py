@@ -17,25 +17,35 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from autoshard._torch_compat import disable_current_modes, tree_leaves
+from autoshard._torch_compat import disable_current_modes, tree_leaves, tree_map
 from autoshard.decide.hardware import Throughput
 from autoshard.decide.profile import ActivationProfile, PricedCall
 from autoshard.measure.device import _fastest_each
+from autoshard.measure.priced import read
 from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
 
 _MOST = 8  # calls timed at most
 _COVERED = 0.9  # timed until they hold this share of the forward's FLOPs
-# A call's tensors at most (its inputs and output, and their gradients): room beside a model
-# already on the device. A larger call runs near a large matmul's rate anyway.
-_BYTES = 256 * 2**20
+# The calls' tensors at most, all of them together (inputs and outputs, and their gradients):
+# room beside a model already on the device. A larger call runs near a large matmul's rate.
+_BYTES = 512 * 2**20
+# A timed run holds copies of a small call (its inputs shared, each copy its own leaf), their
+# forwards launched one after another, then one backward of them all: about this long, so that
+# the host's work per copy is what a step's eager operator costs it, and the device, ahead of
+# the host, runs them back to back, as in a step. One forward and one `autograd.grad` per run
+# took 34 us on this CPU for a 1x1x1 matmul, about what a 768-wide one takes a GPU.
+_RUN_S = 1e-3
+_COPIES = 64
 
 
 class _NotRun(Exception):
@@ -65,95 +75,149 @@ def model_rate(
 ) -> tuple[float, str] | None:
     """The FLOP/s of the model's own step (three times its forward FLOPs over the seconds they
     take: the timed calls' as measured, the rest at `peak_flops_per_s`) and a sentence saying
-    how it was measured; None where no call could be timed."""
+    how it was measured; None where no call could be timed. What it allocates on a GPU is given
+    back to it afterwards (the allocator's cache emptied where it grew)."""
     total = profile.total_forward_flops
     if total <= 0:
         return None
-    with (
-        disable_current_modes(),
-        caller_peak_kept(device),
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.autocast(device.type, enabled=False),  # the traced dtypes are autocast's already
-        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-    ):
-        chosen: list[tuple[PricedCall, Callable[[], None]]] = []
-        for call in profile.priced_calls:
-            if len(chosen) >= _MOST or sum(c.total_flops for c, _ in chosen) >= _COVERED * total:
-                break
-            try:
-                chosen.append((call, _run_again(call, device)))
-            except Exception:  # noqa: BLE001 - see the module's docstring
-                logger.debug("not timed: %s", call.operator, exc_info=True)
-        if not chosen:
-            return None
-        times = _fastest_each(device, [run for _, run in chosen])
-    timed = sum(call.total_flops for call, _ in chosen)
-    # each as often as the model runs it
-    seconds = sum(call.calls * t for (call, _), t in zip(chosen, times, strict=True))
-    seconds += 3 * (total - timed) / peak_flops_per_s
-    operators = sorted({_short(call.operator) for call, _ in chosen})
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    try:
+        with (
+            disable_current_modes(),
+            caller_peak_kept(device),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autocast(device.type, enabled=False),  # the traced dtypes are autocast's
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        ):
+            chosen = _chosen(device, profile.priced_calls, total)
+            if not chosen:
+                return None
+            times = _fastest_each(device, [run for _, run, _ in chosen])
+    finally:
+        if device.type == "cuda" and torch.cuda.memory_reserved(device) > reserved:
+            torch.cuda.empty_cache()
+    timed = sum(call.total_flops for call, _, _ in chosen)
+    # each as often as the model runs it; the rest at the large matmul's rate
+    per_call = [t / copies for (_, _, copies), t in zip(chosen, times, strict=True)]
+    seconds = sum(call.calls * t for (call, _, _), t in zip(chosen, per_call, strict=True))
+    seconds += 3 * max(total - timed, 0) / peak_flops_per_s
+    operators = sorted({_short(call.operator) for call, _, _ in chosen})
     where = (
         f"{len(chosen)} of its FLOP-bound calls ({', '.join(operators)}; "
-        f"{timed / total:.0%} of its FLOPs) run forward and backward at its own shapes"
+        f"{min(timed / total, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
     )
     return 3 * total / max(seconds, 1e-12), where
 
 
-def _run_again(call: PricedCall, device: torch.device) -> Callable[[], None]:
-    """A forward and backward of `call` on random tensors on `device`, run once already (raises
-    `_NotRun`, or what running it raised)."""
+def _chosen(
+    device: torch.device, calls: tuple[PricedCall, ...], total: int
+) -> list[tuple[PricedCall, Callable[[], None], int]]:
+    """The calls to time, the most FLOPs first, each with its run and the copies it runs."""
+    chosen: list[tuple[PricedCall, Callable[[], None], int]] = []
+    budget = _BYTES
+    for call in calls:
+        if len(chosen) >= _MOST or sum(c.total_flops for c, _, _ in chosen) >= _COVERED * total:
+            break
+        try:
+            run, copies, used = _run_again(call, device, budget)
+        except Exception:  # noqa: BLE001 - see the module's docstring
+            logger.debug("not timed: %s", call.operator, exc_info=True)
+            continue
+        chosen.append((call, run, copies))
+        budget -= used
+    return chosen
+
+
+def _run_again(
+    call: PricedCall, device: torch.device, budget: int = _BYTES
+) -> tuple[Callable[[], None], int, int]:
+    """A run of `call` on random tensors on `device`, forward and backward, in as many copies as
+    `_RUN_S` asks (`_COPIES` at most, and within `budget` bytes): the run, its copies, and the
+    bytes it holds. Run already (raises `_NotRun`, or what running it raised)."""
     if not call.arguments or call.flops <= 0:
         raise _NotRun("arguments not written, or no FLOPs")
     operator = _operator(call.operator)
     spec = json.loads(call.arguments)
 
     def made(on: torch.device) -> tuple[list[Any], dict[str, Any]]:
-        return [_tensor(a, on) for a in spec["args"]], {
-            k: _tensor(v, on) for k, v in spec["kwargs"].items()
-        }
+        def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> Any:
+            return _tensor(shape, stride, dtype, grad, on)
 
-    meta_args, meta_kwargs = made(torch.device("meta"))  # the sizes, before any memory is taken
+        return read(spec["args"], tensor), {k: read(v, tensor) for k, v in spec["kwargs"].items()}
+
+    # the sizes first, on meta, before any memory is taken
+    meta_args, meta_kwargs = made(torch.device("meta"))
     meta_out = operator(*meta_args, **meta_kwargs)
-    tensors = [t for t in tree_leaves((meta_args, meta_kwargs, meta_out)) if _is_tensor(t)]
-    needed = 2 * sum(t.untyped_storage().nbytes() for t in tensors)  # and their gradients
-    if needed > _BYTES:
-        raise _NotRun(f"{needed} bytes")
-    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 2 * needed:
+    held = _bytes((meta_args, meta_kwargs))  # shared by every copy
+    each = _bytes(meta_out) * 2 + held  # a copy's outputs, their gradients and the inputs'
+    if held + each > budget:
+        raise _NotRun(f"{held + each} bytes")
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 2 * (held + each):
         raise _NotRun("too little memory free")
     args, kwargs = made(device)
-    inputs = [t for t in tree_leaves((args, kwargs)) if _is_tensor(t) and t.requires_grad]
-    outputs = [t for t in tree_leaves(operator(*args, **kwargs)) if _is_tensor(t)]
-    differentiable = [t for t in outputs if t.requires_grad]
-    gradients = [torch.randn_like(t) for t in differentiable]
+    single = _copies(operator, args, kwargs, 1)
+    single()  # the first run warms up (kernels chosen, workspaces made)
+    started = time.perf_counter()
+    single()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    took = time.perf_counter() - started
+    copies = max(1, min(_COPIES, math.ceil(_RUN_S / max(took, 1e-9)), (budget - held) // each))
+    run = single if copies == 1 else _copies(operator, args, kwargs, copies)
+    run()
+    return run, copies, held + copies * each
+
+
+def _copies(operator: Any, args: list[Any], kwargs: dict[str, Any], n: int) -> Callable[[], None]:
+    """`n` forwards of `operator`, each on its own leaves sharing the inputs' memory, then one
+    backward of them all (none where nothing needs a gradient)."""
+
+    def leaf(t: Any) -> Any:
+        return t.detach().requires_grad_(t.requires_grad) if _is_tensor(t) else t
+
+    copies = [tree_map(leaf, (args, kwargs)) for _ in range(n)]
+    inputs = [t for c in copies for t in tree_leaves(c) if _is_tensor(t) and t.requires_grad]
+    first = [t for t in tree_leaves(operator(*args, **kwargs)) if _is_tensor(t)]
+    gradients = [torch.randn_like(t) for t in first if t.requires_grad] * n
 
     def run() -> None:
-        out = operator(*args, **kwargs)
-        if inputs and gradients:
-            ends = [t for t in tree_leaves(out) if _is_tensor(t) and t.requires_grad]
+        ends = [
+            t
+            for a, k in copies
+            for t in tree_leaves(operator(*a, **k))
+            if _is_tensor(t) and t.requires_grad
+        ]
+        if inputs and ends:
             torch.autograd.grad(ends, inputs, gradients, allow_unused=True)
 
-    run()
     return run
 
 
-def _tensor(value: Any, device: torch.device) -> Any:
-    """The argument `value` as written (`measure.priced`), a tensor made on `device` with random
-    values where it stands for one."""
-    if isinstance(value, list):
-        return [_tensor(v, device) for v in value]
-    if not (isinstance(value, dict) and set(value) == {"tensor"}):
-        return value
-    shape, stride, dtype_name, requires_grad = value["tensor"]
-    dtype = getattr(torch, dtype_name)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise _NotRun(f"a {dtype_name} tensor, whose values matter")
+def _tensor(
+    shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool, device: torch.device
+) -> torch.Tensor:
+    """A tensor of the traced shape, strides and dtype on `device`, of random values (a
+    floating-point one: an integer tensor's values matter, offsets or indices)."""
+    if not dtype.is_floating_point:
+        raise _NotRun(f"a {dtype} tensor, whose values matter")
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
-    base = torch.empty(extent, dtype=dtype, device=device)
-    if device.type != "meta":
-        base.normal_()
-    made = base.as_strided(shape, stride).detach()
-    return made.requires_grad_(bool(requires_grad))
+    if device.type == "meta":
+        base = torch.empty(extent, dtype=dtype, device=device)
+    elif dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        base = torch.randn(extent, dtype=dtype, device=device)
+    else:  # float8 and the like: no random kernel of their own
+        base = torch.randn(extent, device=device).to(dtype)
+    return base.as_strided(shape, stride).detach().requires_grad_(grad)
+
+
+def _bytes(tree: Any) -> int:
+    storages = {
+        t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t): t
+        for t in tree_leaves(tree)
+        if _is_tensor(t)
+    }
+    return sum(t.untyped_storage().nbytes() for t in storages.values())
 
 
 def _operator(name: str) -> Any:

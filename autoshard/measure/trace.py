@@ -54,7 +54,7 @@ from autoshard._torch_compat import (
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
 from autoshard.measure.fake import attributes_kept, fake_tensor, wider_fake_kernels
-from autoshard.measure.priced import PricedCalls
+from autoshard.measure.priced import PricedCalls, order
 
 logger = logging.getLogger("autoshard")
 
@@ -521,7 +521,8 @@ class _Traffic(TorchDispatchMode):
         before = 0 if counted is None else counted()
         out = func(*args, **kwargs)
         if counted is not None:
-            self.priced_calls.record(func, args, kwargs, counted() - before, self.block)
+            flops, grad = counted() - before, torch.is_grad_enabled()
+            self.priced_calls.record(func, args, kwargs, flops, self.block, grad)
         if func.is_view or packet in self._FREE:
             return out
         moved = 0
@@ -657,10 +658,10 @@ def extended(
         forward_kernels=whole(profile.forward_kernels, profile.block_forward_kernels),
         backward_traffic=whole(profile.backward_traffic, profile.block_backward_traffic),
         backward_kernels=whole(profile.backward_kernels, profile.block_backward_kernels),
-        priced_calls=tuple(  # the most FLOPs first, as the whole model's trace orders them
+        priced_calls=tuple(  # in the order the whole model's trace gives them
             sorted(
                 (replace(c, block_calls=each(c.block_calls)) for c in profile.priced_calls),
-                key=lambda c: -c.total_flops,
+                key=order,
             )
         ),
     )
