@@ -354,6 +354,40 @@ def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
         assert shallow == whole, name
 
 
+class _Looped(_Stack):
+    """A parent running its whole list twice over (a looped depth)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            for block in self.blocks:
+                x = block(x)
+        return self.head(x).sum()
+
+
+def test_a_block_run_twice_counts_both_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block's FLOPs, bytes moved and operators are both its runs' (the second run's alone
+    before: a shallow trace extended to 40% fewer FLOPs than the whole model's), and its FLOP-bound
+    calls count both."""
+    from autoshard.measure import facts
+
+    model = _Looped([False] * DEPTH)
+    names = [f"blocks.{i}" for i in range(DEPTH)]
+    blocks = [model.get_submodule(n) for n in names]
+    batch = torch.randn(32, 64)
+    shallow = facts._profile(model, blocks, batch, None, None, names)
+    with monkeypatch.context() as patch:
+        patch.setattr(facts, "repeats", lambda *args: None)
+        whole = facts._profile(model, blocks, batch, None, None, names)
+    assert shallow == whole
+    linear = 2 * 32 * 64 * 64  # one run's Linear(64, 64) on 32 rows
+    assert whole.block_forward_flops == (2 * linear,) * DEPTH
+    assert whole.total_forward_flops == DEPTH * 2 * linear + 2 * 32 * 64  # and the head
+    in_blocks = [c.block_calls for c in whole.priced_calls if c.other_calls == 0]
+    assert tuple(map(sum, zip(*in_blocks, strict=True))) == (2,) * DEPTH
+    once = facts._profile(_Stack([False] * DEPTH), blocks, batch, None, None, names)
+    assert whole.block_forward_kernels[5] == 2 * once.block_forward_kernels[5]
+
+
 @pytest.mark.parametrize("name", sorted(TRACE_ONLY))
 def test_blocks_too_few_to_simulate_shallow_are_still_traced_shallow(
     name: str, monkeypatch: pytest.MonkeyPatch

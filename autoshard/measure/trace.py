@@ -541,8 +541,9 @@ class _Traffic(TorchDispatchMode):
 
     def enter(self, index: int) -> None:
         self.block = index
-        self.block_bytes[index] = -self.since[0]
-        self.block_kernels[index] = -self.since[1]
+        # from the previous block's end to its own, for each call of a block run more than once
+        self.block_bytes[index] -= self.since[0]
+        self.block_kernels[index] -= self.since[1]
 
     def leave(self, index: int, outputs: Any) -> None:
         self.block_bytes[index] += self.bytes
@@ -586,7 +587,7 @@ def _attribution_hooks(
                 for t in tensors_in((args, kwargs))
                 if t.is_floating_point()
             )
-            block_flops[index] = -counter.get_total_flops()
+            block_flops[index] -= counter.get_total_flops()  # += at its end: each call's
             traffic.enter(index)
 
         def post(module: nn.Module, args: Any, kwargs: Any, out: Any, index: int = index) -> None:
