@@ -365,9 +365,9 @@ class _Looped(_Stack):
 
 
 def test_a_block_run_twice_counts_both_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each block's FLOPs, bytes moved and operators are both its runs' (the second run's alone
-    before: a shallow trace extended to 40% fewer FLOPs than the whole model's), and its FLOP-bound
-    calls count both."""
+    """Each block's FLOPs, bytes moved, operators and inputs are both its runs' (the second run's
+    alone before: a shallow trace extended to 40% fewer FLOPs than the whole model's), and its
+    FLOP-bound calls count both."""
     from autoshard.measure import facts
 
     model = _Looped([False] * DEPTH)
@@ -386,6 +386,7 @@ def test_a_block_run_twice_counts_both_runs(monkeypatch: pytest.MonkeyPatch) -> 
     assert tuple(map(sum, zip(*in_blocks, strict=True))) == (2,) * DEPTH
     once = facts._profile(_Stack([False] * DEPTH), blocks, batch, None, None, names)
     assert whole.block_forward_kernels[5] == 2 * once.block_forward_kernels[5]
+    assert whole.block_input_bytes == (2 * 32 * 64 * 4,) * DEPTH  # what checkpointing keeps
 
 
 @pytest.mark.parametrize("name", sorted(TRACE_ONLY))

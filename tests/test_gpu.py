@@ -268,5 +268,8 @@ def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:
     rates._run_again(attention[0], device)()  # CUDA's fused kernel, forward and backward
     peak = device_throughput(device, torch.bfloat16)
     assert peak is not None and peak.flops_per_s is not None
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     found = rates.model_rate(device, profile, peak.flops_per_s)
     assert found is not None and found[0] > 1e12, found  # a GPU's, not a CPU's
+    # the replays' memory given back: no more unused memory cached than before
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) <= cached

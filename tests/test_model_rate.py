@@ -364,27 +364,106 @@ def test_the_order_of_calls_does_not_depend_on_the_order_met() -> None:
 
 class _Reentrant(torch.nn.Module):
     """Checkpointed as scripts still do, `use_reentrant=True`: its forward runs without
-    gradients, again in backward with them, and its backward runs."""
+    gradients, again in backward with them, and its backward runs. `b`'s weight frozen (a LoRA
+    base's), and a float mask made inside, which needs no gradient."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.b.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(lambda x: self.b(torch.relu(self.a(x))), x, use_reentrant=True)
+        return checkpoint(self._run, x, use_reentrant=True)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(x.shape[0], 32)  # made here: needs no gradient
+        return self.b(torch.relu(self.a(x)) * scale)
 
 
-def test_calls_of_a_block_checkpointed_reentrantly_are_run_with_their_backward() -> None:
-    blocks = torch.nn.ModuleList([_Reentrant(), _Reentrant()])
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *blocks)
-    profile = profile_step(model, list(blocks), (torch.randn(4, 8),), lambda o, b: o.sum(), None)
-    inside = [c for c in profile.priced_calls if sum(c.block_calls)]
-    assert inside
-    for call in inside:
-        tensors = [a["tensor"] for a in json.loads(call.arguments)["args"] if isinstance(a, dict)]
-        assert all(needs for *_, needs in tensors), call.arguments
+class _Teacher(torch.nn.Module):
+    """A block whose forward runs a frozen teacher under `no_grad` (distillation, an EMA
+    encoder): run once, never again, and no backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.teacher = torch.nn.Linear(16, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.a(x) + target[:, :16]
+
+
+def _needs(call: PricedCall) -> list[bool]:
+    arguments = json.loads(call.arguments)["args"]
+    return [a["tensor"][3] for a in arguments if isinstance(a, dict) and "tensor" in a]
+
+
+def test_a_call_without_gradients_takes_them_from_its_recomputation_in_backward() -> None:
+    """A block checkpointed reentrantly: its calls need what its recomputation's need (the
+    activations a gradient, the frozen weight and the mask none); a teacher run under no_grad
+    and never again: none, as written (a9adbe9's rule marked every float tensor)."""
+    for block, expected in (
+        (_Reentrant, {(16, 32): [True, True], (32, 16): [True, False]}),
+        (_Teacher, {(16, 16): [True, True], (16, 64): [False, False]}),
+    ):
+        blocks = torch.nn.ModuleList([block(), block()])
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), *blocks)
+        batch = (torch.randn(4, 8),)
+        profile = profile_step(model, list(blocks), batch, lambda o, b: o.sum(), None)
+        inside = [c for c in profile.priced_calls if sum(c.block_calls)]
+        found = {}
+        for call in inside:
+            shapes = json.loads(call.arguments)["args"][-1]["tensor"][0]  # the weight.t()
+            found[tuple(shapes)] = _needs(call)[-2:]
+        assert found == expected, block
+
+
+def test_recording_that_fails_keeps_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoshard.measure import priced
+
+    def fails(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("a writer's own failure")
+
+    monkeypatch.setattr(priced, "arguments_json", fails)
+    built = _llama()
+    _, blocks = _blocks(built.model)
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, None)
+    assert profile.block_saved_bytes[0] > 0
+    assert {c.arguments for c in profile.priced_calls} == {""}
+    assert sum(c.total_flops for c in profile.priced_calls) == profile.total_forward_flops
+
+
+def test_symbolic_sizes_are_not_written() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(5, 3), symbolic_context=context)
+    assert arguments_json((x,), {}) == ""
+
+
+def test_a_call_takes_half_the_device_s_free_memory_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(rates_module, "_RUN_S", 1.0)
+    monkeypatch.setattr(rates_module, "_COPIES", 8)
+    call = _mm(16, 32, 8, calls=1)
+    inputs, output = (16 * 32 + 32 * 8) * 4, 16 * 8 * 4
+    each = 2 * output + inputs
+    monkeypatch.setattr(rates_module, "_free", lambda device: 2 * (inputs + 3 * each))
+    _, copies, _ = rates_module._run_again(call, CPU)
+    assert copies == 3
+    monkeypatch.setattr(rates_module, "_free", lambda device: inputs + each)  # half: too little
+    with pytest.raises(rates_module._NotRun):
+        rates_module._run_again(call, CPU)
 
 
 def test_calls_holding_more_than_the_forward_s_flops_give_a_finite_rate(

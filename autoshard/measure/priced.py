@@ -34,67 +34,100 @@ class _Unwritable(Exception):
 
 
 class PricedCalls:
-    """The calls met so far, by operator and arguments: their FLOPs, and where they ran."""
+    """The calls met so far, by operator and arguments: their FLOPs, and where they ran.
+
+    A call a block makes with gradients off in forward is held apart: where the block's
+    backward runs it again with gradients on (a checkpoint with `use_reentrant=True`, of the
+    block or of part of it), the first call of the same operator and shapes met there after
+    the one before's twin gives the gradients its tensors need (`recomputed`); where nothing
+    runs it again (a teacher, an EMA or a reference model run under `no_grad`), it needs none,
+    as written."""
 
     def __init__(self, n_blocks: int) -> None:
         self.n_blocks = n_blocks
         self.flops: dict[tuple[str, str, int], int] = {}
         self.calls: dict[tuple[str, str, int], list[int]] = {}  # per block, then outside them
+        # per block: its calls made without gradients, and those its recomputation made
+        self.without: dict[int, list[tuple[str, str, str, int]]] = {}
+        self.again: dict[int, list[tuple[str, str, str]]] = {}
 
     def record(
         self, func: Any, args: Any, kwargs: Any, flops: int, block: int | None, grad: bool
     ) -> None:
         """One call of `func`, of `flops` forward FLOPs, in `block` (None: outside the blocks),
         run with gradients on or off (`grad`)."""
-        try:
-            arguments = arguments_json(args, kwargs, grad)
-        except Exception:  # noqa: BLE001 - see the module's docstring
-            logger.debug("the arguments of %s were not written", func, exc_info=True)
-            arguments = ""
-        # calls not written are told apart by their FLOPs alone, so that each keeps its own
-        key = (str(func), arguments, flops if not arguments else 0)
-        calls = self.calls.setdefault(key, [0] * (self.n_blocks + 1))
-        calls[self.n_blocks if block is None else block] += 1
-        # equal arguments, equal FLOPs; but a formula that failed once counted 0 there
-        self.flops[key] = max(self.flops.get(key, 0), flops)
+        if not grad and block is not None:  # as it runs without a twin: forward only
+            alone, shapes = _both(func, args, kwargs, needs=False)
+            self.without.setdefault(block, []).append((str(func), alone, shapes, flops))
+        else:
+            self._add(str(func), _both(func, args, kwargs)[0], flops, block)
+
+    def recomputed(self, func: Any, args: Any, kwargs: Any, block: int) -> None:
+        """One call of `func` in `block`'s backward: of its forward run again, or of backward's
+        own (kept only for a block that made calls without gradients in forward)."""
+        if block in self.without:
+            arguments, shapes = _both(func, args, kwargs)
+            self.again.setdefault(block, []).append((str(func), arguments, shapes))
 
     def result(self) -> tuple[PricedCall, ...]:
         """The calls, the most FLOPs first (ties by operator and arguments: the same order
         whatever order they were met in)."""
+        for block, calls in self.without.items():
+            again = iter(self.again.get(block, []))
+            for name, arguments, shapes, flops in calls:
+                twin = next((a for n, a, s in again if (n, s) == (name, shapes)), None)
+                self._add(name, arguments if twin is None else twin, flops, block)
+        self.without.clear()
         made = [
             PricedCall(key[0], key[1], self.flops[key], tuple(c[:-1]), c[-1])
             for key, c in self.calls.items()
         ]
         return tuple(sorted(made, key=order))
 
+    def _add(self, name: str, arguments: str, flops: int, block: int | None) -> None:
+        # calls not written are told apart by their FLOPs alone, so that each keeps its own
+        key = (name, arguments, flops if not arguments else 0)
+        calls = self.calls.setdefault(key, [0] * (self.n_blocks + 1))
+        calls[self.n_blocks if block is None else block] += 1
+        # equal arguments, equal FLOPs; but a formula that failed once counted 0 there
+        self.flops[key] = max(self.flops.get(key, 0), flops)
 
-def order(call: PricedCall) -> tuple[int, str, str]:
-    return -call.total_flops, call.operator, call.arguments
+
+def _both(func: Any, args: Any, kwargs: Any, needs: bool = True) -> tuple[str, str]:
+    """The arguments as written (every tensor needing no gradient where `needs` is False), and
+    as written without whether tensors need one."""
+    try:
+        return arguments_json(args, kwargs, needs), arguments_json(args, kwargs, needs=None)
+    except Exception:  # noqa: BLE001 - see the module's docstring
+        logger.debug("the arguments of %s were not written", func, exc_info=True)
+        return "", ""
 
 
-def arguments_json(args: Any, kwargs: Any, grad: bool = True) -> str:
-    """The arguments as JSON (`PricedCall.arguments`), or "" where one cannot be written.
+def order(call: PricedCall) -> tuple[int, int, str, str]:
+    return -call.total_flops, -call.flops, call.operator, call.arguments
 
-    Run with gradients off (`grad`), a floating-point tensor is written as requiring one: in a
-    training step's forward that is a block checkpointed with `use_reentrant=True`, whose
-    forward runs again in backward, with gradients, and whose backward runs."""
+
+def arguments_json(args: Any, kwargs: Any, needs: bool | None = True) -> str:
+    """The arguments as JSON (`PricedCall.arguments`), or "" where one cannot be written; each
+    tensor needing no gradient where `needs` is False, and without saying where it is None."""
     try:
         written = {
-            "args": _written(args, grad),
-            "kwargs": {k: _written(v, grad) for k, v in kwargs.items()},
+            "args": _written(args, needs),
+            "kwargs": {k: _written(v, needs) for k, v in kwargs.items()},
         }
         return json.dumps(written, sort_keys=True)
     except (_Unwritable, TypeError, ValueError):  # a symbolic size, a value JSON refuses
         return ""
 
 
-def _written(value: Any, grad: bool) -> Any:
+def _written(value: Any, needs: bool | None) -> Any:
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.is_nested:
             raise _Unwritable
-        dtype = str(value.dtype).removeprefix("torch.")
-        needs = value.requires_grad or (not grad and value.is_floating_point())
-        return {"tensor": [list(value.shape), list(value.stride()), dtype, needs]}
+        written = [list(value.shape), list(value.stride()), str(value.dtype).removeprefix("torch.")]
+        if needs is None:
+            return {"tensor": written}
+        return {"tensor": [*written, needs and value.requires_grad]}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.memory_format):
@@ -102,7 +135,7 @@ def _written(value: Any, grad: bool) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_written(v, grad) for v in value]
+        return [_written(v, needs) for v in value]
     raise _Unwritable
 
 

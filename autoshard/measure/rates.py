@@ -82,32 +82,39 @@ def model_rate(
         return None
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     try:
-        with (
-            disable_current_modes(),
-            caller_peak_kept(device),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-            torch.autocast(device.type, enabled=False),  # the traced dtypes are autocast's
-            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-        ):
-            chosen = _chosen(device, profile.priced_calls, total)
-            if not chosen:
-                return None
-            times = _fastest_each(device, [run for _, run, _ in chosen])
-    finally:
+        timings = _timings(device, profile.priced_calls, total)
+    finally:  # the replays' tensors are gone with `_timings`: the cache they grew is given back
         if device.type == "cuda" and torch.cuda.memory_reserved(device) > reserved:
             torch.cuda.empty_cache()
-    timed = sum(call.total_flops for call, _, _ in chosen)
+    if not timings:
+        return None
+    timed = sum(call.total_flops for call, _ in timings)
     # each as often as the model runs it; the rest at the large matmul's rate
-    per_call = [t / copies for (_, _, copies), t in zip(chosen, times, strict=True)]
-    seconds = sum(call.calls * t for (call, _, _), t in zip(chosen, per_call, strict=True))
+    seconds = sum(call.calls * t for call, t in timings)
     seconds += 3 * max(total - timed, 0) / peak_flops_per_s
-    operators = sorted({_short(call.operator) for call, _, _ in chosen})
+    operators = sorted({_short(call.operator) for call, _ in timings})
     where = (
-        f"{len(chosen)} of its FLOP-bound calls ({', '.join(operators)}; "
+        f"{len(timings)} of its FLOP-bound calls ({', '.join(operators)}; "
         f"{min(timed / total, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
     )
     return 3 * total / max(seconds, 1e-12), where
+
+
+def _timings(
+    device: torch.device, calls: tuple[PricedCall, ...], total: int
+) -> list[tuple[PricedCall, float]]:
+    """The calls timed, the most FLOPs first, each with its seconds a call."""
+    with (
+        disable_current_modes(),
+        caller_peak_kept(device),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast(device.type, enabled=False),  # the traced dtypes are autocast's
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+    ):
+        chosen = _chosen(device, calls, total)
+        times = _fastest_each(device, [run for _, run, _ in chosen]) if chosen else []
+    return [(call, t / copies) for (call, _, copies), t in zip(chosen, times, strict=True)]
 
 
 def _chosen(
@@ -151,17 +158,18 @@ def _run_again(
     meta_out = operator(*meta_args, **meta_kwargs)
     held = _bytes((meta_args, meta_kwargs))  # shared by every copy
     each = _bytes(meta_out) * 2 + held  # a copy's outputs, their gradients and the inputs'
+    free = _free(device)
+    if free is not None:  # half the device's free memory at most
+        budget = min(budget, free // 2)
     if held + each > budget:
-        raise _NotRun(f"{held + each} bytes")
-    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 2 * (held + each):
-        raise _NotRun("too little memory free")
+        raise _NotRun(f"{held + each} bytes, {budget} free for it")
     args, kwargs = made(device)
     single = _copies(operator, args, kwargs, 1)
     single()  # the first run warms up (kernels chosen, workspaces made)
+    _synchronize(device)
     started = time.perf_counter()
     single()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _synchronize(device)
     took = time.perf_counter() - started
     copies = max(1, min(_COPIES, math.ceil(_RUN_S / max(took, 1e-9)), (budget - held) // each))
     run = single if copies == 1 else _copies(operator, args, kwargs, copies)
@@ -211,13 +219,19 @@ def _tensor(
     return base.as_strided(shape, stride).detach().requires_grad_(grad)
 
 
+def _free(device: torch.device) -> int | None:
+    """The device's free memory in bytes; None off CUDA (the budget alone bounds the calls)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _bytes(tree: Any) -> int:
-    storages = {
-        t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t): t
-        for t in tree_leaves(tree)
-        if _is_tensor(t)
-    }
-    return sum(t.untyped_storage().nbytes() for t in storages.values())
+    """The bytes of the meta tensors in `tree` (the sizes a call's real ones will have)."""
+    return sum(t.untyped_storage().nbytes() for t in tree_leaves(tree) if _is_tensor(t))
 
 
 def _operator(name: str) -> Any:

@@ -523,6 +523,9 @@ class _Traffic(TorchDispatchMode):
         if counted is not None:
             flops, grad = counted() - before, torch.is_grad_enabled()
             self.priced_calls.record(func, args, kwargs, flops, self.block, grad)
+        elif self.backward_in is not None and packet in self.priced:
+            # in a block's backward, its forward may run again (`priced.PricedCalls`)
+            self.priced_calls.recomputed(func, args, kwargs, self.backward_in)
         if func.is_view or packet in self._FREE:
             return out
         moved = 0
@@ -582,7 +585,7 @@ def _attribution_hooks(
             if attribution.closed:  # a checkpoint's recomputation, in backward
                 return  # (the block's forward figures were taken in forward)
             attribution.enter(index)
-            attribution.inputs[index] = sum(
+            attribution.inputs[index] += sum(
                 t.untyped_storage().nbytes()
                 for t in tensors_in((args, kwargs))
                 if t.is_floating_point()
