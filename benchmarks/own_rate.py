@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("AUTOSHARD_CACHE", "0")
 
 import zoo  # noqa: E402
+import zoo_external  # noqa: E402
 from _gpu_accuracy import captured_inputs  # noqa: E402
 
 import autoshard  # noqa: E402
@@ -43,14 +44,18 @@ from autoshard.decide.cost import step_seconds  # noqa: E402
 from autoshard.measure import device as device_module  # noqa: E402
 from autoshard.measure.rates import model_rate  # noqa: E402
 
-# (zoo builder, per-rank batch, sizes): large enough that FLOP-bound operators matter on a CPU,
-# small enough for seconds a step
+# (zoo builder, "external:" for benchmarks/zoo_external.py's, per-rank batch, sizes): large
+# enough that FLOP-bound operators matter on a CPU, small enough for seconds a step
 MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("llama", 4, dict(width=256, depth=4, heads=8, kv_heads=2, seq_len=256)),
     "gpt": ("gpt", 4, dict(d_model=256, n_layer=4, n_head=8, seq_len=256, vocab_size=8000)),
     "vit": ("vit", 16, dict(image_size=128)),
     "resnet": ("resnet", 32, {}),
     "mlp": ("mlp", 256, {}),
+    # transformers' own classes (nobody here wrote them), at the external zoo's sizes
+    "hf_llama": ("external:llama", 64, {}),
+    "hf_gpt2": ("external:gpt2", 64, {}),
+    "hf_convnext": ("external:convnext", 32, {}),
 }
 SMOKE = {"tiny": ("mlp", 4, {})}
 _WARMUP, _STEPS = 2, 5
@@ -79,7 +84,10 @@ def measured_step(built: Any) -> float:
 def row(name: str, spec: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     kind, batch, sizes = spec
     torch.manual_seed(0)
-    built = zoo.BUILDERS[kind](batch, **sizes)
+    if kind.startswith("external:"):
+        built = zoo_external.build(kind.removeprefix("external:"), batch, **sizes)
+    else:
+        built = zoo.BUILDERS[kind](batch, **sizes)
     with captured_inputs() as seen:
         autoshard.plan(
             built.model,
