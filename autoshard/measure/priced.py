@@ -60,7 +60,7 @@ class PricedCalls:
             alone, shapes = _both(func, args, kwargs, needs=False)
             self.without.setdefault(block, []).append((str(func), alone, shapes, flops))
         else:
-            self._add(str(func), _both(func, args, kwargs)[0], flops, block)
+            self._add(str(func), _safely(func, args, kwargs, True), flops, block)
 
     def recomputed(self, func: Any, args: Any, kwargs: Any, block: int) -> None:
         """One call of `func` in `block`'s backward: of its forward run again, or of backward's
@@ -96,11 +96,16 @@ class PricedCalls:
 def _both(func: Any, args: Any, kwargs: Any, needs: bool = True) -> tuple[str, str]:
     """The arguments as written (every tensor needing no gradient where `needs` is False), and
     as written without whether tensors need one."""
+    return _safely(func, args, kwargs, needs), _safely(func, args, kwargs, None)
+
+
+def _safely(func: Any, args: Any, kwargs: Any, needs: bool | None) -> str:
+    """`arguments_json`, "" where writing failed (see the module's docstring)."""
     try:
-        return arguments_json(args, kwargs, needs), arguments_json(args, kwargs, needs=None)
+        return arguments_json(args, kwargs, needs)
     except Exception:  # noqa: BLE001 - see the module's docstring
         logger.debug("the arguments of %s were not written", func, exc_info=True)
-        return "", ""
+        return ""
 
 
 def order(call: PricedCall) -> tuple[int, int, str, str]:
