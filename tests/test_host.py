@@ -27,6 +27,16 @@ def test_the_step_is_timed_with_the_caller_s_optimizer_class_and_defaults() -> N
     assert "SGD's step on the CPU" in figures.note, figures.note
 
 
+def test_adamw_is_timed_as_the_caller_made_it() -> None:
+    """AdamW's defaults hold `decoupled_weight_decay`, which its constructor does not take: the
+    step timed is still the caller's AdamW, foreach or fused as they chose."""
+    model = torch.nn.Linear(4, 4)
+    for chosen in ({}, {"foreach": True}, {"fused": True}):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **chosen)  # type: ignore[arg-type]
+        figures = measure_host(optimizer)
+        assert "AdamW's step on the CPU" in figures.note, (chosen, figures.note)
+
+
 class NeedsMore(torch.optim.AdamW):
     """An optimizer whose constructor needs more than its defaults."""
 

@@ -13,6 +13,7 @@ offload against checkpointing the same way.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -110,10 +111,15 @@ def _step_rate(optimizer: torch.optim.Optimizer) -> tuple[float, str]:
 def _like(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> tuple[torch.optim.Optimizer, str]:
-    """An optimizer of the caller's class and defaults over `params`, else AdamW's defaults."""
+    """An optimizer of the caller's class and defaults over `params`, else AdamW's defaults. Only
+    the defaults its constructor takes are given: AdamW's hold `decoupled_weight_decay`, which
+    AdamW's constructor does not take (torch 2.11 to 2.15)."""
     cls = type(optimizer)
     try:
-        return cls(params, **optimizer.defaults), f"{cls.__name__}'s"
+        taken = inspect.signature(cls).parameters
+        keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values())
+        defaults = {k: v for k, v in optimizer.defaults.items() if keywords or k in taken}
+        return cls(params, **defaults), f"{cls.__name__}'s"
     except Exception:  # noqa: BLE001 - a class that needs more than its defaults
         return torch.optim.AdamW(params), f"AdamW's (standing in for {cls.__name__})"
 
