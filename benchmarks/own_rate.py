@@ -1,12 +1,14 @@
 """The cost model's step against the step measured on this machine, its FLOP/s a large matmul's
-or the model's own (`autoshard.measure.rates`, issue 26), where a GPU is not at hand.
+or the model's own, and its operators' bandwidth a large copy's or the model's own
+(`autoshard.measure.rates`, issue 26), where a GPU is not at hand.
 
 Each model is built here (fp32, one process, unwrapped), planned as `LOCAL` (the plan's inputs
 captured), and trained for a few steps (AdamW, torch's default implementation for the device),
 the median step taken. The cost model's step (`cost.step_seconds`) is then computed from figures
 measured here as `prepare` measures them on a GPU (`measure.device`: a square matmul's FLOP/s,
-a large copy's bandwidth, the time per operator launch), once with that matmul's FLOP/s and once
-with the model's own (its FLOP-bound calls run again at their shapes, forward and backward).
+a large copy's bandwidth, the time per operator launch), once with that matmul's FLOP/s, once
+with the model's own (its FLOP-bound calls run again at their shapes, forward and backward), and
+once with the model's own bandwidth too (its memory-bound calls run again at their shapes).
 On the CPU `prepare` measures none of this (the constants rank the candidates); the figures here
 check the mechanism on real operators, and the GPU suite's prepare section measures the same on
 a GPU.
@@ -42,7 +44,7 @@ from autoshard import Strategy  # noqa: E402
 from autoshard._batch import call_model, compute_loss  # noqa: E402
 from autoshard.decide.cost import step_seconds  # noqa: E402
 from autoshard.measure import device as device_module  # noqa: E402
-from autoshard.measure.rates import model_rate  # noqa: E402
+from autoshard.measure.rates import model_bandwidth, model_rate  # noqa: E402
 
 # (zoo builder, "external:" for benchmarks/zoo_external.py's, per-rank batch, sizes): large
 # enough that FLOP-bound operators matter on a CPU, small enough for seconds a step
@@ -112,12 +114,17 @@ def row(name: str, spec: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     )
     assert inputs.profile is not None
     own = model_rate(cpu, inputs.profile, flops)
+    moving = model_bandwidth(cpu, inputs.profile, hardware.memory_bytes_per_s)
     step = measured_step(built)
     matmul = step_seconds(replace(inputs, hardware=hardware), Strategy.LOCAL, 0)
     modelled_own = None
     if own is not None:
         hardware_own = replace(hardware, flops_per_s=own[0])
         modelled_own = step_seconds(replace(inputs, hardware=hardware_own), Strategy.LOCAL, 0)
+    modelled_both = None
+    if own is not None and moving is not None:
+        hardware_both = replace(hardware, flops_per_s=own[0], operator_bytes_per_s=moving[0])
+        modelled_both = step_seconds(replace(inputs, hardware=hardware_both), Strategy.LOCAL, 0)
     return {
         "model": name,
         "measured": step,
@@ -126,6 +133,10 @@ def row(name: str, spec: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         "own_where": "" if own is None else own[1],
         "modelled_matmul": matmul,
         "modelled_own": modelled_own,
+        "copy_rate": hardware.memory_bytes_per_s,
+        "own_bandwidth": None if moving is None else moving[0],
+        "moving_where": "" if moving is None else moving[1],
+        "modelled_both": modelled_both,
     }
 
 
@@ -140,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{_MATMUL}x{_MATMUL} fp32"
     )
     print(
-        "| model | measured step | matmul's FLOP/s | own FLOP/s | modelled (matmul's) | "
-        "modelled (own) | own: what was timed |"
+        "| model | measured step | matmul's FLOP/s | own FLOP/s | copy's B/s | own B/s | "
+        "modelled (matmul's, copy's) | modelled (own FLOP/s) | modelled (own FLOP/s and B/s) | "
+        "own: what was timed |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, spec in chosen.items():
         r = row(name, spec)
 
@@ -153,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             return f"{seconds * 1e3:.1f} ms ({(seconds - r['measured']) / r['measured']:+.0%})"
 
         own = "-" if r["own_rate"] is None else f"{r['own_rate'] / 1e9:.1f} G"
+        moving = "-" if r["own_bandwidth"] is None else f"{r['own_bandwidth'] / 1e9:.1f} G"
+        where = "; ".join(w for w in (r["own_where"], r["moving_where"]) if w)
         print(
             f"| {name} | {r['measured'] * 1e3:.1f} ms | {r['matmul_rate'] / 1e9:.1f} G | {own} | "
-            f"{ms(r['modelled_matmul'])} | {ms(r['modelled_own'])} | {r['own_where']} |"
+            f"{r['copy_rate'] / 1e9:.1f} G | {moving} | {ms(r['modelled_matmul'])} | "
+            f"{ms(r['modelled_own'])} | {ms(r['modelled_both'])} | {where} |"
         )
     return 0
 

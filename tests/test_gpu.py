@@ -242,14 +242,17 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     chose = next(r for r in plan.reasons if r.startswith("chose "))
     names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host times"
     assert f"{names} (8 small units over a fake group) measured on {device}" in chose, chose
-    # and the FLOP/s the model's own: its linears run again at their shapes (`measure.rates`)
+    # and the FLOP/s the model's own: its linears run again at their shapes (`measure.rates`),
+    # and its operators' bandwidth: its norms, additions and casts
     assert "; FLOP/s the model's own, " in chose and "FLOP-bound calls (" in chose, chose
+    assert "; its operators' bandwidth the model's own, " in chose, chose
 
 
 def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:
     """Issue 26: a grouped-query-attention decoder's forward, traced on fake CUDA tensors in
     bf16, has its matmuls and CUDA's fused attention run again on the GPU at their shapes,
-    forward and backward; the rate of its step is a GPU's."""
+    forward and backward, and its memory-bound calls alone; the rate of its step and its
+    operators' bandwidth are a GPU's."""
     import zoo
 
     from autoshard.decide.blocks import find_blocks
@@ -265,11 +268,17 @@ def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:
     profile = profile_step(built.model, blocks, built.batch, built.loss_fn, torch.bfloat16)
     attention = [c for c in profile.priced_calls if "attention" in c.operator]
     assert attention and all(c.arguments for c in profile.priced_calls)
-    rates._run_again(attention[0], device)()  # CUDA's fused kernel, forward and backward
+    run, _, _ = rates._run_again(attention[0].operator, attention[0].arguments, device)
+    run()  # CUDA's fused kernel, forward and backward
     peak = device_throughput(device, torch.bfloat16)
     assert peak is not None and peak.flops_per_s is not None
+    assert peak.memory_bytes_per_s is not None
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     found = rates.model_rate(device, profile, peak.flops_per_s)
     assert found is not None and found[0] > 1e12, found  # a GPU's, not a CPU's
+    # its memory-bound calls, forward and backward, run again alone: RMS norms, SiLU, casts
+    moving = rates.model_bandwidth(device, profile, peak.memory_bytes_per_s)
+    assert moving is not None and moving[0] > 1e10, moving  # a GPU's, not a CPU's
+    assert "memory-bound calls (" in moving[1], moving
     # the replays' memory given back: no more unused memory cached than before
     assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) <= cached

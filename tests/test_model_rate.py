@@ -208,7 +208,7 @@ def test_a_call_runs_at_its_own_shapes_strides_and_dtype_forward_and_backward(
 ) -> None:
     monkeypatch.setattr(rates_module, "_RUN_S", 0.0)
     call = _mm(16, 32, 8, calls=1, dtype="bfloat16")
-    run, copies, _ = rates_module._run_again(call, CPU)
+    run, copies, _ = rates_module._run_again(call.operator, call.arguments, CPU)
     with _Matmuls() as matmuls:
         run()
     forward = matmuls.seen[0]
@@ -223,14 +223,15 @@ def test_a_small_call_runs_in_copies_and_is_timed_per_copy(monkeypatch: pytest.M
     monkeypatch.setattr(rates_module, "_RUN_S", 1.0)  # far longer than a small matmul here
     monkeypatch.setattr(rates_module, "_COPIES", 4)
     call = _mm(16, 32, 8, calls=5)
-    run, copies, held = rates_module._run_again(call, CPU)
+    run, copies, held = rates_module._run_again(call.operator, call.arguments, CPU)
     with _Matmuls() as matmuls:
         run()
     assert copies == 4 and len(matmuls.seen) == 4 + 2 * 4
     inputs, output = (16 * 32 + 32 * 8) * 4, 16 * 8 * 4
     assert held == inputs + 4 * (2 * output + inputs)  # the inputs shared; each copy's own
     # the budget bounds the copies
-    _, fewer, _ = rates_module._run_again(call, CPU, budget=inputs + 2 * (2 * output + inputs))
+    budget = inputs + 2 * (2 * output + inputs)
+    _, fewer, _ = rates_module._run_again(call.operator, call.arguments, CPU, budget=budget)
     assert fewer == 2
     # timed per copy, each as often as the model runs it
     monkeypatch.setattr(rates_module, "_fastest_each", lambda device, runs: [4e-3] * len(runs))
@@ -459,11 +460,11 @@ def test_a_call_takes_half_the_device_s_free_memory_at_most(
     inputs, output = (16 * 32 + 32 * 8) * 4, 16 * 8 * 4
     each = 2 * output + inputs
     monkeypatch.setattr(rates_module, "_free", lambda device: 2 * (inputs + 3 * each))
-    _, copies, _ = rates_module._run_again(call, CPU)
+    _, copies, _ = rates_module._run_again(call.operator, call.arguments, CPU)
     assert copies == 3
     monkeypatch.setattr(rates_module, "_free", lambda device: inputs + each)  # half: too little
     with pytest.raises(rates_module._NotRun):
-        rates_module._run_again(call, CPU)
+        rates_module._run_again(call.operator, call.arguments, CPU)
 
 
 def test_calls_holding_more_than_the_forward_s_flops_give_a_finite_rate(

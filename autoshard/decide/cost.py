@@ -96,9 +96,12 @@ def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -
     # and more, so it carries the same term (its own step on the host is added in
     # `step_seconds`): left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for
     # a 405B-shaped model, the whole step's 32 TB, and was chosen over it where both fit.
-    traffic += stats.step_traffic_bytes
     operators += stats.step_operators
-    device = flops / hw.flops_per_s + traffic / hw.memory_bytes_per_s
+    device = (
+        flops / hw.flops_per_s
+        + traffic / hw.traffic_bytes_per_s  # at the model's own operators' bandwidth, if measured
+        + stats.step_traffic_bytes / hw.memory_bytes_per_s
+    )
     return max(device, operators * hw.kernel_launch_s)
 
 

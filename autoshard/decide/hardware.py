@@ -32,6 +32,8 @@ class Hardware:
             bookkeeping, which the step waits on.
         fsdp_gather_s: FSDP2's own host work per all-gather of a unit: copy-in, copy-out and
             casts (ZeRO-3 gathers each block twice a step, ZeRO-2 once).
+        operator_bytes_per_s: the bandwidth the model's own memory-bound operators reach, for
+            the bytes its forward and backward move (`measure.rates`); None: memory_bytes_per_s.
         source: where the figures came from (constants, or which of them were measured).
     """
 
@@ -46,7 +48,13 @@ class Hardware:
     kernel_launch_s: float = 5e-6
     fsdp_unit_s: float = 0.0
     fsdp_gather_s: float = 0.0
+    operator_bytes_per_s: float | None = None
     source: str = "constants for the device class"
+
+    @property
+    def traffic_bytes_per_s(self) -> float:
+        """The bandwidth the model's own operators' bytes are priced at."""
+        return self.operator_bytes_per_s or self.memory_bytes_per_s
 
 
 # The figures a measurement can give, as a plan names them
@@ -76,7 +84,10 @@ class Throughput:
         model_flops_per_s: the FLOP/s of one model's own step, its FLOP-bound operators run
             at their own shapes (`measure.rates`): the cost model's FLOP/s for that model's
             plan, in place of `flops_per_s`.
-        model_where: how that was measured.
+        model_memory_bytes_per_s: the bandwidth of that model's own memory-bound operators,
+            run at their own shapes (`measure.rates`): the cost model's for the bytes its
+            forward and backward move (`Hardware.operator_bytes_per_s`).
+        model_memory_where: how that was measured.
     """
 
     flops_per_s: float | None = None
@@ -87,9 +98,21 @@ class Throughput:
     fsdp_gather_s: float | None = None
     model_flops_per_s: float | None = None
     model_where: str = ""
+    model_memory_bytes_per_s: float | None = None
+    model_memory_where: str = ""
+
+    @property
+    def model_figures(self) -> str | None:
+        """What of the model's own was measured and how, as a plan says it; None: nothing."""
+        parts = []
+        if self.model_flops_per_s is not None:
+            parts.append(f"FLOP/s the model's own, {self.model_where}")
+        if self.model_memory_bytes_per_s is not None:
+            parts.append(f"its operators' bandwidth the model's own, {self.model_memory_where}")
+        return "; ".join(parts) or None
 
     def __post_init__(self) -> None:
-        for name in (*_MEASURED, "model_flops_per_s"):
+        for name in (*_MEASURED, "model_flops_per_s", "model_memory_bytes_per_s"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -112,7 +135,8 @@ def hardware_for(
     measured: Throughput | None = None,
 ) -> Hardware:
     """Round figures for the device class: about half the datasheet peak, as training sustains;
-    each figure `measured` gives replaces its constant (FLOP/s the model's own, where measured)."""
+    each figure `measured` gives replaces its constant (FLOP/s and the operators' bandwidth the
+    model's own, where measured)."""
     hardware = _constants(device_type, capability, low_precision)
     if measured is None:
         return hardware
@@ -123,7 +147,10 @@ def hardware_for(
     source = f"{names} {measured.where}; the rest constants"
     if measured.model_flops_per_s is not None:
         taken["flops_per_s"] = measured.model_flops_per_s
-        source = f"{source}; FLOP/s the model's own: {measured.model_where}"
+    if measured.model_memory_bytes_per_s is not None:
+        taken["operator_bytes_per_s"] = measured.model_memory_bytes_per_s
+    if measured.model_figures is not None:
+        source = f"{source}; {measured.model_figures}"
     return replace(hardware, **taken, source=source)
 
 

@@ -7,8 +7,19 @@ from dataclasses import dataclass
 import torch
 
 
+class _Counted:
+    """A call counted where it ran: in each block, and outside them."""
+
+    block_calls: tuple[int, ...]
+    other_calls: int
+
+    @property
+    def calls(self) -> int:
+        return sum(self.block_calls) + self.other_calls
+
+
 @dataclass(frozen=True)
-class PricedCall:
+class PricedCall(_Counted):
     """One FLOP-bound operator of the forward (a matmul, a convolution, attention) at one set of
     arguments, and how often it ran: what `measure.rates` runs again on the device to time the
     model's own FLOPs at their own shapes.
@@ -30,12 +41,36 @@ class PricedCall:
     other_calls: int
 
     @property
-    def calls(self) -> int:
-        return sum(self.block_calls) + self.other_calls
-
-    @property
     def total_flops(self) -> int:
         return self.flops * self.calls
+
+
+@dataclass(frozen=True)
+class MovingCall(_Counted):
+    """One memory-bound operator of the step (elementwise, a normalisation, a reduction, a cast,
+    a copy) at one set of arguments, as autograd dispatched it in forward or in backward, and how
+    often it ran: what `measure.rates` runs again on the device to time the model's own traffic
+    at its own shapes (a backward is its own calls: each runs again alone, without gradients).
+
+    Attributes:
+        operator: the operator overload's name ("aten.add.Tensor").
+        arguments: as `PricedCall.arguments`, every tensor needing no gradient; "" where they
+            could not be written.
+        moved: bytes one call reads and writes, as `ActivationProfile.forward_traffic` counts
+            them.
+        block_calls: its calls in each block's forward and backward, in block order.
+        other_calls: its calls outside the blocks (embeddings, head, loss; their backward).
+    """
+
+    operator: str
+    arguments: str
+    moved: int
+    block_calls: tuple[int, ...]
+    other_calls: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.moved * self.calls
 
 
 @dataclass(frozen=True)
@@ -76,6 +111,8 @@ class ActivationProfile:
         backward_traffic, backward_kernels: the same of the whole backward.
         priced_calls: the forward's FLOP-bound operators, one per distinct call (`PricedCall`);
             empty where the step was measured on real tensors at a few rows.
+        moving_calls: the step's memory-bound operators moving the most bytes in all, one per
+            distinct call (`MovingCall`), the most first; empty as `priced_calls` is.
     """
 
     block_saved_bytes: tuple[int, ...]
@@ -100,6 +137,7 @@ class ActivationProfile:
     backward_traffic: int = 0
     backward_kernels: int = 0
     priced_calls: tuple[PricedCall, ...] = ()
+    moving_calls: tuple[MovingCall, ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:

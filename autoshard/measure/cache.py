@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from autoshard.decide.estimate import Phase, Simulated
-from autoshard.decide.profile import ActivationProfile, PricedCall
+from autoshard.decide.profile import ActivationProfile, MovingCall, PricedCall
 
 logger = logging.getLogger("autoshard")
 
@@ -496,6 +496,16 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
                 _int(c["other_calls"]),
             )
             for c in value["priced_calls"]
+        ),
+        moving_calls=tuple(
+            MovingCall(
+                _str(c["operator"]),
+                _str(c["arguments"]),
+                _int(c["moved"]),
+                tuple(map(_int, c["block_calls"])),
+                _int(c["other_calls"]),
+            )
+            for c in value["moving_calls"]
         ),
     )
 

@@ -207,7 +207,8 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     """`inputs` with the slowest rank's measured figures in the cost model, where every rank
     measured them; else as they are (the constants). FSDP2's host times, which a rank may have
     failed to measure (`_fsdp_host_times`), are taken where every rank measured them, as is the
-    model's own FLOP/s (`measure.rates`), which stands for the large matmul's."""
+    model's own FLOP/s (`measure.rates`), which stands for the large matmul's, and its own
+    operators' bandwidth, which stands for the large copy's in its forward and backward bytes."""
     measured: list[Throughput] = [
         r.device_throughput for r in reports if r.device_throughput is not None
     ]
@@ -231,10 +232,23 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     )
     flops = slowest.flops_per_s or constants.flops_per_s
     source = f"{names} {where}"
-    if len(own) == len(measured):
-        model = min(own, key=lambda t: t.model_flops_per_s or 0.0)
-        flops = model.model_flops_per_s or flops
-        source += f"; FLOP/s the model's own, {model.model_where}"
+    # the slowest rank's own figures, each where every rank measured it
+    moving = [t for t in measured if t.model_memory_bytes_per_s is not None]
+    model = min(own, key=lambda t: t.model_flops_per_s or 0.0) if own else None
+    operators = min(moving, key=lambda t: t.model_memory_bytes_per_s or 0.0) if moving else None
+    taken = Throughput(
+        model_flops_per_s=model.model_flops_per_s if model and len(own) == len(measured) else None,
+        model_where=model.model_where if model else "",
+        model_memory_bytes_per_s=(
+            operators.model_memory_bytes_per_s
+            if operators and len(moving) == len(measured)
+            else None
+        ),
+        model_memory_where=operators.model_memory_where if operators else "",
+    )
+    flops = taken.model_flops_per_s or flops
+    if taken.model_figures is not None:
+        source += f"; {taken.model_figures}"
     hardware = replace(
         constants,
         flops_per_s=flops,
@@ -242,6 +256,7 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
         kernel_launch_s=launch,
         fsdp_unit_s=max(units) if everywhere else constants.fsdp_unit_s,
         fsdp_gather_s=max(gathers) if everywhere else constants.fsdp_gather_s,
+        operator_bytes_per_s=taken.model_memory_bytes_per_s,
         source=f"{source}, otherwise {constants.source}",
     )
     return replace(inputs, hardware=hardware)

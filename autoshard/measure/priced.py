@@ -1,7 +1,7 @@
-"""The forward's FLOP-bound operators as the trace meets them (`trace._Traffic`), one record per
-distinct call, written so that `measure.rates` can run each again on the device: the operator's
-name and its arguments, tensors by shape, strides, dtype and whether they require a gradient,
-dtypes and memory formats by name.
+"""The forward's FLOP-bound operators and the step's memory-bound ones as the trace meets them
+(`trace._Traffic`), one record per distinct call, written so that `measure.rates` can run each
+again on the device: the operator's name and its arguments, tensors by shape, strides, dtype and
+whether they require a gradient, dtypes, layouts and memory formats by name.
 
 Recording never fails the trace (the activations matter more than a call's timing): a call whose
 arguments cannot be written is kept with "" for them, under its own FLOPs, and not run again."""
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autoshard.decide.profile import PricedCall
+from autoshard.decide.profile import MovingCall, PricedCall
 
 logger = logging.getLogger("autoshard")
 
@@ -27,6 +27,11 @@ _MEMORY_FORMATS = {
         torch.preserve_format,
     )
 }
+
+
+# Memory-bound calls kept, the most bytes first: `measure.rates` times a few of them, those it
+# can run again; the many small ones left are priced at a large copy's bandwidth.
+_KEPT = 32
 
 
 class _Unwritable(Exception):
@@ -93,6 +98,57 @@ class PricedCalls:
         self.flops[key] = max(self.flops.get(key, 0), flops)
 
 
+class MovingCalls:
+    """The memory-bound calls met so far, forward and backward, by operator and arguments (each
+    tensor written as needing no gradient: a call runs again alone, as it was dispatched): the
+    bytes each moves, and where it ran: as the trace's bytes are counted (`trace._Traffic`), a
+    call the forward makes outside the blocks is the next block's (the parent's work between
+    blocks runs once a block; before the first, the embedding's), after the last the model's
+    own."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self.n_blocks = n_blocks
+        self.moved: dict[tuple[str, str, int], int] = {}
+        self.calls: dict[tuple[str, str, int], list[int]] = {}  # per block, then outside them
+        self.pending: list[tuple[str, str, int]] = []  # the forward's since the last block
+
+    def record(
+        self, func: Any, args: Any, kwargs: Any, moved: int, block: int | None, forward: bool
+    ) -> None:
+        """One call of `func`, moving `moved` bytes, in `block`'s forward or backward (None:
+        outside the blocks)."""
+        arguments = _safely(func, args, kwargs, False)
+        # calls not written are told apart by their bytes alone, so that each keeps its own
+        key = (str(func), arguments, moved if not arguments else 0)
+        self.moved[key] = max(self.moved.get(key, 0), moved)
+        if block is None and forward:
+            self.pending.append(key)
+        else:
+            self._count(key, block)
+
+    def entered(self, block: int) -> None:
+        """The forward enters `block`: the calls since the last one's end are its."""
+        for key in self.pending:
+            self._count(key, block)
+        self.pending.clear()
+
+    def _count(self, key: tuple[str, str, int], block: int | None) -> None:
+        calls = self.calls.setdefault(key, [0] * (self.n_blocks + 1))
+        calls[self.n_blocks if block is None else block] += 1
+
+    def result(self) -> tuple[MovingCall, ...]:
+        """The `_KEPT` calls moving the most bytes in all, the most first (ties by operator and
+        arguments)."""
+        for key in self.pending:  # after the last block: the head's, the loss's
+            self._count(key, None)
+        self.pending.clear()
+        made = [
+            MovingCall(key[0], key[1], self.moved[key], tuple(c[:-1]), c[-1])
+            for key, c in self.calls.items()
+        ]
+        return tuple(sorted(made, key=moving_order)[:_KEPT])
+
+
 def _both(func: Any, args: Any, kwargs: Any, needs: bool = True) -> tuple[str, str]:
     """The arguments as written (every tensor needing no gradient where `needs` is False), and
     as written without whether tensors need one."""
@@ -110,6 +166,10 @@ def _safely(func: Any, args: Any, kwargs: Any, needs: bool | None) -> str:
 
 def order(call: PricedCall) -> tuple[int, int, str, str]:
     return -call.total_flops, -call.flops, call.operator, call.arguments
+
+
+def moving_order(call: MovingCall) -> tuple[int, int, str, str]:
+    return -call.total_bytes, -call.moved, call.operator, call.arguments
 
 
 def arguments_json(args: Any, kwargs: Any, needs: bool | None = True) -> str:
@@ -137,6 +197,8 @@ def _written(value: Any, needs: bool | None) -> Any:
         return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.memory_format):
         return {"memory_format": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
@@ -146,7 +208,7 @@ def _written(value: Any, needs: bool | None) -> Any:
 
 def read(value: Any, tensor: Any) -> Any:
     """An argument as written, back: each tensor made by `tensor(shape, stride, dtype,
-    requires_grad)`, dtypes and memory formats by name."""
+    requires_grad)`, dtypes, layouts and memory formats by name."""
     if isinstance(value, list):
         return [read(v, tensor) for v in value]
     if not isinstance(value, dict):
@@ -158,7 +220,16 @@ def read(value: Any, tensor: Any) -> Any:
         return _dtype(value["dtype"])
     if set(value) == {"memory_format"}:
         return _MEMORY_FORMATS[value["memory_format"]]
+    if set(value) == {"layout"}:
+        return _layout(value["layout"])
     raise ValueError(f"not an argument as written: {value!r}")
+
+
+def _layout(name: str) -> torch.layout:
+    layout = getattr(torch, name)
+    if not isinstance(layout, torch.layout):
+        raise ValueError(f"not a layout: {name!r}")
+    return layout
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""The FLOP/s a model's own FLOP-bound operators reach on the training device (issue 26).
+"""The FLOP/s a model's own FLOP-bound operators reach on the training device, and the bandwidth
+its memory-bound ones reach (issue 26).
 
 The cost model prices FLOPs at one rate, a large square matmul's (`measure.device`). A model's
 own matmuls, convolutions and attention are smaller, thinner or of other kernels: on the H100 of
@@ -11,23 +12,34 @@ and backward, and timed (`device._fastest_each`): up to `_MOST` of them, until t
 whose values matter, an operator that cannot be run again) is priced at the large matmul's rate.
 The rate returned is in the cost model's terms, three times the forward's FLOPs a step
 (`cost.compute_seconds`): those FLOPs over the seconds the timed calls take, each as often as the
-whole model runs it, and the rest at the large matmul's rate."""
+whole model runs it, and the rest at the large matmul's rate.
+
+The memory-bound operators (elementwise, normalisations, softmax, casts: the bytes they read and
+write, `ActivationProfile.forward_traffic`, priced at a large copy's bandwidth) are timed alike
+(`model_bandwidth`): the calls moving the most bytes in all, forward and backward as autograd
+dispatched them (`ActivationProfile.moving_calls`), each run again alone without gradients, up
+to `_MOST_MOVING` of them until they move `_COVERED` of the step's bytes, the rest at the copy's
+bandwidth. Only operators whose kernels take any values run again (`_runs_on_any_values`):
+pointwise ones, reductions, and named normalisations, softmaxes and copies; a kernel that checks
+its values on a GPU (binary cross-entropy's inputs in [0, 1]) would end the process's CUDA
+context on random ones."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from autoshard._torch_compat import disable_current_modes, tree_leaves, tree_map
 from autoshard.decide.hardware import Throughput
-from autoshard.decide.profile import ActivationProfile, PricedCall
+from autoshard.decide.profile import ActivationProfile, MovingCall, PricedCall
 from autoshard.measure.device import _fastest_each
 from autoshard.measure.priced import read
 from autoshard.wrap.meter import caller_peak_kept
@@ -46,6 +58,38 @@ _BYTES = 512 * 2**20
 # took 34 us on this CPU for a 1x1x1 matmul, about what a 768-wide one takes a GPU.
 _RUN_S = 1e-3
 _COPIES = 64
+# Memory-bound calls timed at most: their bytes spread over more distinct calls than FLOPs do
+_MOST_MOVING = 16
+# Memory-bound operators not tagged pointwise or reduction whose kernels take any values (a
+# normalisation's statistics, a softmax, a copy): those run again on random tensors
+_ANY_VALUES = frozenset(
+    {
+        "aten._to_copy",
+        "aten.copy_",
+        "aten.cat",
+        "aten.stack",
+        "aten.native_dropout",
+        "aten.native_dropout_backward",
+        "aten.native_layer_norm",
+        "aten.native_layer_norm_backward",
+        "aten.native_group_norm",
+        "aten.native_group_norm_backward",
+        "aten.native_batch_norm",
+        "aten.native_batch_norm_backward",
+        "aten._native_batch_norm_legit",
+        "aten._native_batch_norm_legit_functional",
+        "aten._native_batch_norm_legit_no_training",
+        "aten._fused_rms_norm",
+        "aten._fused_rms_norm_backward",
+        "aten._softmax",
+        "aten._log_softmax",
+        "aten._softmax_backward_data",
+        "aten._log_softmax_backward_data",
+        "aten.fill_",
+        "aten.zero_",
+        "aten.masked_fill_",
+    }
+)
 
 
 class _NotRun(Exception):
@@ -55,19 +99,37 @@ class _NotRun(Exception):
 def with_model_rate(
     throughput: Throughput | None, device: torch.device, profile: ActivationProfile | None
 ) -> Throughput | None:
-    """The device's measured `throughput` with the model's own FLOP/s (`model_rate`) where they
-    could be measured; None where the device's were not (the constants stand)."""
+    """The device's measured `throughput` with the model's own FLOP/s (`model_rate`) and memory
+    bandwidth (`model_bandwidth`), each where it could be measured; None where the device's
+    figures were not (the constants stand)."""
     if throughput is None or profile is None or throughput.flops_per_s is None:
         return throughput
+    flops = _measured(model_rate, device, profile, throughput.flops_per_s)
+    bandwidth = None
+    if throughput.memory_bytes_per_s is not None:
+        bandwidth = _measured(model_bandwidth, device, profile, throughput.memory_bytes_per_s)
+    if flops is None and bandwidth is None:
+        return throughput
+    return replace(
+        throughput,
+        model_flops_per_s=None if flops is None else flops[0],
+        model_where="" if flops is None else flops[1],
+        model_memory_bytes_per_s=None if bandwidth is None else bandwidth[0],
+        model_memory_where="" if bandwidth is None else bandwidth[1],
+    )
+
+
+def _measured(
+    measure: Callable[[torch.device, ActivationProfile, float], tuple[float, str] | None],
+    device: torch.device,
+    profile: ActivationProfile,
+    figure: float,
+) -> tuple[float, str] | None:
     try:
-        found = model_rate(device, profile, throughput.flops_per_s)
-    except Exception:  # noqa: BLE001 - an OOM or a driver error leaves the large matmul's rate
+        return measure(device, profile, figure)
+    except Exception:  # noqa: BLE001 - an OOM or a driver error leaves the device's figure
         logger.debug("timing the model's own operators failed", exc_info=True)
-        return throughput
-    if found is None:
-        return throughput
-    rate, where = found
-    return replace(throughput, model_flops_per_s=rate, model_where=where)
+        return None
 
 
 def model_rate(
@@ -80,30 +142,127 @@ def model_rate(
     total = profile.total_forward_flops
     if total <= 0:
         return None
-    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    try:
-        timings = _timings(device, profile.priced_calls, total)
-    finally:  # the replays' tensors are gone with `_timings`: the cache they grew is given back
-        if device.type == "cuda" and torch.cuda.memory_reserved(device) > reserved:
-            torch.cuda.empty_cache()
-    if not timings:
+    with _cache_given_back(device):
+        found = _timed(device, profile.priced_calls, _flop_bound, total)
+    if found is None:
         return None
-    timed = sum(call.total_flops for call, _ in timings)
-    # each as often as the model runs it; the rest at the large matmul's rate
-    seconds = sum(call.calls * t for call, t in timings)
-    seconds += 3 * max(total - timed, 0) / peak_flops_per_s
-    operators = sorted({_short(call.operator) for call, _ in timings})
+    timed, seconds, count, names = found
+    seconds += 3 * max(total - timed, 0) / peak_flops_per_s  # the rest at the matmul's rate
     where = (
-        f"{len(timings)} of its FLOP-bound calls ({', '.join(operators)}; "
+        f"{count} of its FLOP-bound calls ({names}; "
         f"{min(timed / total, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
     )
     return 3 * total / max(seconds, 1e-12), where
 
 
-def _timings(
-    device: torch.device, calls: tuple[PricedCall, ...], total: int
-) -> list[tuple[PricedCall, float]]:
-    """The calls timed, the most FLOPs first, each with its seconds a call."""
+def model_bandwidth(
+    device: torch.device, profile: ActivationProfile, copy_bytes_per_s: float
+) -> tuple[float, str] | None:
+    """The bandwidth of the model's own memory-bound operators (the bytes its forward and
+    backward move over the seconds they take: the timed calls' as measured, the rest at
+    `copy_bytes_per_s`) and a sentence saying how it was measured; None where no call could be
+    timed. What it allocates on a GPU is given back as `model_rate`'s is."""
+    total = profile.forward_traffic + profile.backward_traffic
+    if total <= 0:
+        return None
+    with _cache_given_back(device):
+        found = _timed(device, profile.moving_calls, _memory_bound, total)
+    if found is None:
+        return None
+    timed, seconds, count, names = found
+    seconds += max(total - timed, 0) / copy_bytes_per_s  # the rest at the copy's bandwidth
+    where = (
+        f"{count} of its memory-bound calls ({names}; "
+        f"{min(timed / total, 1.0):.0%} of its bytes) run again at its own shapes"
+    )
+    return total / max(seconds, 1e-12), where
+
+
+@contextlib.contextmanager
+def _cache_given_back(device: torch.device) -> Iterator[None]:
+    """The CUDA cache grown inside emptied after (the replays' tensors are gone by then)."""
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    try:
+        yield
+    finally:
+        if device.type == "cuda" and torch.cuda.memory_reserved(device) > reserved:
+            torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How calls of one kind are timed: at most `most` of them, each weighing `weight` (its
+    share of the step's FLOPs or bytes), those `runs` refuses (raising `_NotRun`) left."""
+
+    most: int
+    weight: Callable[[Any], int]
+    runs: Callable[[Any], None]
+
+
+def _no_flops(call: PricedCall) -> None:
+    if call.flops <= 0:
+        raise _NotRun("no FLOPs")
+
+
+def _checks_values(call: MovingCall) -> None:
+    if not _runs_on_any_values(call.operator):
+        raise _NotRun("its kernel may check its values")
+
+
+_flop_bound = _Kind(_MOST, lambda call: call.total_flops, _no_flops)
+_memory_bound = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values)
+
+
+def _timed(
+    device: torch.device, calls: Sequence[PricedCall | MovingCall], kind: _Kind, total: int
+) -> tuple[int, float, int, str] | None:
+    """The calls of `kind` timed, the heaviest first, until they weigh `_COVERED` of `total`:
+    their weight, the seconds they take as often as the model runs them, their count and their
+    operators ("addmm, mm"); None where none could be timed. Their tensors are gone on
+    return."""
+    with _replaying(device):
+        chosen: list[tuple[PricedCall | MovingCall, Callable[[], None], int]] = []
+        budget = _BYTES
+        for call in calls:
+            if len(chosen) >= kind.most:
+                break
+            if sum(kind.weight(c) for c, _, _ in chosen) >= _COVERED * total:
+                break
+            try:
+                kind.runs(call)
+                share = budget // (kind.most - len(chosen))
+                run, copies, used = _run_again(call.operator, call.arguments, device, budget, share)
+            except Exception:  # noqa: BLE001 - see the module's docstring
+                logger.debug("not timed: %s", call.operator, exc_info=True)
+                continue
+            chosen.append((call, run, copies))
+            budget -= used
+        times = _fastest_each(device, [run for _, run, _ in chosen]) if chosen else []
+    if not chosen:
+        return None
+    timed = sum(kind.weight(call) for call, _, _ in chosen)
+    # each timed per copy, as often as the model runs it
+    seconds = sum(
+        call.calls * t / copies for (call, _, copies), t in zip(chosen, times, strict=True)
+    )
+    names = ", ".join(sorted({_short(call.operator) for call, _, _ in chosen}))
+    return timed, seconds, len(chosen), names
+
+
+def _runs_on_any_values(name: str) -> bool:
+    """Whether `name`'s kernel takes any values (see the module's docstring)."""
+    tags = _operator(name).tags
+    return (
+        torch.Tag.pointwise in tags
+        or torch.Tag.reduction in tags
+        or name.rsplit(".", 1)[0] in _ANY_VALUES
+    )
+
+
+@contextlib.contextmanager
+def _replaying(device: torch.device) -> Iterator[None]:
+    """Calls run again as they ran in the step, whatever the caller's modes, its random streams
+    and peak left as they were."""
     with (
         disable_current_modes(),
         caller_peak_kept(device),
@@ -112,40 +271,21 @@ def _timings(
         torch.autocast(device.type, enabled=False),  # the traced dtypes are autocast's
         torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
     ):
-        chosen = _chosen(device, calls, total)
-        times = _fastest_each(device, [run for _, run, _ in chosen]) if chosen else []
-    return [(call, t / copies) for (call, _, copies), t in zip(chosen, times, strict=True)]
-
-
-def _chosen(
-    device: torch.device, calls: tuple[PricedCall, ...], total: int
-) -> list[tuple[PricedCall, Callable[[], None], int]]:
-    """The calls to time, the most FLOPs first, each with its run and the copies it runs."""
-    chosen: list[tuple[PricedCall, Callable[[], None], int]] = []
-    budget = _BYTES
-    for call in calls:
-        if len(chosen) >= _MOST or sum(c.total_flops for c, _, _ in chosen) >= _COVERED * total:
-            break
-        try:
-            run, copies, used = _run_again(call, device, budget)
-        except Exception:  # noqa: BLE001 - see the module's docstring
-            logger.debug("not timed: %s", call.operator, exc_info=True)
-            continue
-        chosen.append((call, run, copies))
-        budget -= used
-    return chosen
+        yield
 
 
 def _run_again(
-    call: PricedCall, device: torch.device, budget: int = _BYTES
+    name: str, arguments: str, device: torch.device, budget: int = _BYTES, share: int = _BYTES
 ) -> tuple[Callable[[], None], int, int]:
-    """A run of `call` on random tensors on `device`, forward and backward, in as many copies as
-    `_RUN_S` asks (`_COPIES` at most, and within `budget` bytes): the run, its copies, and the
-    bytes it holds. Run already (raises `_NotRun`, or what running it raised)."""
-    if not call.arguments or call.flops <= 0:
-        raise _NotRun("arguments not written, or no FLOPs")
-    operator = _operator(call.operator)
-    spec = json.loads(call.arguments)
+    """A run of the operator `name` on random tensors on `device` as `arguments` describe them,
+    forward, and backward where a tensor needs a gradient, in as many copies as `_RUN_S` asks
+    (`_COPIES` at most, within `budget` bytes, and more than one only within `share`, what is
+    left for each call of those to come): the run, its copies, and the bytes it holds. Run
+    already (raises `_NotRun`, or what running it raised)."""
+    if not arguments:
+        raise _NotRun("arguments not written")
+    operator = _operator(name)
+    spec = json.loads(arguments)
 
     def made(on: torch.device) -> tuple[list[Any], dict[str, Any]]:
         def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> Any:
@@ -157,7 +297,9 @@ def _run_again(
     meta_args, meta_kwargs = made(torch.device("meta"))
     meta_out = operator(*meta_args, **meta_kwargs)
     held = _bytes((meta_args, meta_kwargs))  # shared by every copy
-    each = _bytes(meta_out) * 2 + held  # a copy's outputs, their gradients and the inputs'
+    each = _bytes(meta_out)  # a copy's outputs
+    if any(t.requires_grad for t in tree_leaves((meta_args, meta_kwargs)) if _is_tensor(t)):
+        each = each * 2 + held  # and their gradients, and the inputs'
     free = _free(device)
     if free is not None:  # half the device's free memory at most
         budget = min(budget, free // 2)
@@ -171,15 +313,17 @@ def _run_again(
     single()
     _synchronize(device)
     took = time.perf_counter() - started
-    copies = max(1, min(_COPIES, math.ceil(_RUN_S / max(took, 1e-9)), (budget - held) // each))
+    room = (min(budget, share) - held) // max(each, 1)
+    copies = max(1, min(_COPIES, math.ceil(_RUN_S / max(took, 1e-9)), room))
     run = single if copies == 1 else _copies(operator, args, kwargs, copies)
     run()
     return run, copies, held + copies * each
 
 
 def _copies(operator: Any, args: list[Any], kwargs: dict[str, Any], n: int) -> Callable[[], None]:
-    """`n` forwards of `operator`, each on its own leaves sharing the inputs' memory, then one
-    backward of them all (none where nothing needs a gradient)."""
+    """`n` forwards of `operator`, each on its own leaves sharing the inputs' memory, their
+    outputs kept to the end as a step keeps them, then one backward of them all (none where
+    nothing needs a gradient)."""
 
     def leaf(t: Any) -> Any:
         return t.detach().requires_grad_(t.requires_grad) if _is_tensor(t) else t
@@ -190,12 +334,8 @@ def _copies(operator: Any, args: list[Any], kwargs: dict[str, Any], n: int) -> C
     gradients = [torch.randn_like(t) for t in first if t.requires_grad] * n
 
     def run() -> None:
-        ends = [
-            t
-            for a, k in copies
-            for t in tree_leaves(operator(*a, **k))
-            if _is_tensor(t) and t.requires_grad
-        ]
+        outputs = [operator(*a, **k) for a, k in copies]
+        ends = [t for t in tree_leaves(outputs) if _is_tensor(t) and t.requires_grad]
         if inputs and ends:
             torch.autograd.grad(ends, inputs, gradients, allow_unused=True)
 
@@ -206,12 +346,14 @@ def _tensor(
     shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool, device: torch.device
 ) -> torch.Tensor:
     """A tensor of the traced shape, strides and dtype on `device`, of random values (a
-    floating-point one: an integer tensor's values matter, offsets or indices)."""
-    if not dtype.is_floating_point:
+    floating-point or boolean one: an integer tensor's values matter, offsets or indices)."""
+    if not dtype.is_floating_point and dtype is not torch.bool:
         raise _NotRun(f"a {dtype} tensor, whose values matter")
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
     if device.type == "meta":
         base = torch.empty(extent, dtype=dtype, device=device)
+    elif dtype is torch.bool:  # a mask
+        base = torch.rand(extent, device=device) < 0.5
     elif dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         base = torch.randn(extent, dtype=dtype, device=device)
     else:  # float8 and the like: no random kernel of their own

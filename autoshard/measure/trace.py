@@ -54,7 +54,7 @@ from autoshard._torch_compat import (
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
 from autoshard.measure.fake import attributes_kept, fake_tensor, wider_fake_kernels
-from autoshard.measure.priced import PricedCalls, order
+from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
 
 logger = logging.getLogger("autoshard")
 
@@ -221,6 +221,7 @@ def profile_step(
         backward_traffic=traffic.bytes - taken["traffic"][0],
         backward_kernels=traffic.kernels - taken["traffic"][1],
         priced_calls=traffic.priced_calls.result(),
+        moving_calls=traffic.moving_calls.result(),
     )
 
 
@@ -270,6 +271,7 @@ def profile_scaled(
         forward_traffic=line(one.forward_traffic, two.forward_traffic),
         backward_traffic=line(one.backward_traffic, two.backward_traffic),
         priced_calls=(),  # at two rows: not the batch's shapes, which their timing needs
+        moving_calls=(),
     )  # operators run: as at two rows (a row more runs the same kernels, only larger)
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
 
@@ -473,7 +475,8 @@ class _Traffic(TorchDispatchMode):
 
     The forward's FLOP-bound operators are also recorded, one per distinct call, with their
     FLOPs (`flops`: the FLOP counter's total, which counts each before this mode returns) and
-    the block they ran in (`priced_calls`): what `measure.rates` times on the device."""
+    the block they ran in (`priced_calls`), and every memory-bound call, forward and backward,
+    with the bytes it moves (`moving_calls`): what `measure.rates` times on the device."""
 
     # no data moved: metadata, allocations, and views torch does not mark as such (the
     # reshape after a batched matmul, in-place views)
@@ -502,6 +505,7 @@ class _Traffic(TorchDispatchMode):
         self.priced = priced  # operators (packets) the FLOP count prices
         self.flops = flops
         self.priced_calls = PricedCalls(n_blocks)
+        self.moving_calls = MovingCalls(n_blocks)
         self.in_forward = True
         self.block: int | None = None  # the block whose forward runs now
         self.bytes = 0
@@ -535,6 +539,9 @@ class _Traffic(TorchDispatchMode):
                 for t in tree_leaves((args, kwargs, out))
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided
             )  # a sparse gradient (Embedding(sparse=True)) has no storage: left out
+        if moved:
+            block = self.block if self.in_forward else self.backward_in
+            self.moving_calls.record(func, args, kwargs, moved, block, self.in_forward)
         self.kernels += 1
         self.bytes += moved
         if self.backward_in is not None:
@@ -544,6 +551,7 @@ class _Traffic(TorchDispatchMode):
 
     def enter(self, index: int) -> None:
         self.block = index
+        self.moving_calls.entered(index)
         # from the previous block's end to its own, for each call of a block run more than once
         self.block_bytes[index] -= self.since[0]
         self.block_kernels[index] -= self.since[1]
@@ -666,6 +674,12 @@ def extended(
             sorted(
                 (replace(c, block_calls=each(c.block_calls)) for c in profile.priced_calls),
                 key=order,
+            )
+        ),
+        moving_calls=tuple(
+            sorted(
+                (replace(c, block_calls=each(c.block_calls)) for c in profile.moving_calls),
+                key=moving_order,
             )
         ),
     )
