@@ -113,7 +113,7 @@ def row(name: str, spec: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         kernel_launch_s=device_module._launch_time(cpu),
     )
     assert inputs.profile is not None
-    own = model_rate(cpu, inputs.profile, flops)
+    own = model_rate(cpu, inputs.profile, flops, hardware.memory_bytes_per_s)
     moving = model_bandwidth(cpu, inputs.profile, hardware.memory_bytes_per_s)
     step = measured_step(built)
     matmul = step_seconds(replace(inputs, hardware=hardware), Strategy.LOCAL, 0)

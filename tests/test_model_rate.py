@@ -190,6 +190,53 @@ def test_calls_that_cannot_run_again_are_priced_at_the_large_matmul_s_rate(
     assert model_rate(CPU, _profile(grouped, unwritten), 1e9) is None
 
 
+def _depthwise(calls: int) -> PricedCall:
+    """A 7x7 depthwise convolution of 64 channels at 32x32: 12 FLOPs a byte."""
+    x = torch.empty(1, 64, 32, 32, requires_grad=True)
+    w = torch.empty(64, 1, 7, 7, requires_grad=True)
+    arguments = arguments_json((x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 64), {})
+    return PricedCall("aten.convolution.default", arguments, 2 * 49 * 64 * 32 * 32, (calls,), 0)
+
+
+def test_the_calls_taking_the_most_time_by_the_roofline_are_timed_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A depthwise convolution does few FLOPs per byte: given the large copy's bandwidth, it is
+    timed before a matmul of more FLOPs whose time its FLOPs bound, and the matmul not timed is
+    priced by its FLOPs or its bytes, whichever take longer (here its FLOPs); without the
+    bandwidth, by FLOPs alone."""
+    matmul, depthwise = _mm(256, 256, 256, calls=1), _depthwise(calls=4)
+    assert matmul.total_flops > depthwise.total_flops
+    monkeypatch.setattr(rates_module, "_MOST", 1)
+    _timed(monkeypatch, [1e-3])
+    profile = _profile(matmul, depthwise)
+    peak, copy = 3e11, 1e10
+    rate, where = model_rate(CPU, profile, peak, copy) or (0.0, "")
+    assert where.startswith("1 of its FLOP-bound calls (convolution; "), where
+    moved = 3 * 256 * 256 * 4  # the matmul's two inputs and its output
+    assert 3 * matmul.flops / peak > 3 * moved / copy
+    seconds = 4 * 1e-3 + 3 * matmul.flops / peak
+    assert math.isclose(rate, 3 * profile.total_forward_flops / seconds, rel_tol=1e-12)
+    _, where = model_rate(CPU, profile, peak) or (0.0, "")
+    assert where.startswith("1 of its FLOP-bound calls (mm; "), where
+
+
+def test_a_call_not_timed_is_priced_by_its_bytes_where_they_take_longer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    matmul, depthwise = _mm(256, 256, 256, calls=10), _depthwise(calls=4)  # the matmul first
+    monkeypatch.setattr(rates_module, "_MOST", 1)
+    _timed(monkeypatch, [1e-3])
+    profile = _profile(matmul, depthwise)
+    peak, copy = 3e11, 1e10
+    rate, where = model_rate(CPU, profile, peak, copy) or (0.0, "")
+    assert where.startswith("1 of its FLOP-bound calls (mm; "), where
+    moved = 2 * (64 * 32 * 32 * 4) + 64 * 49 * 4  # input, output, weight
+    assert moved / copy > depthwise.flops / peak
+    seconds = 10 * 1e-3 + 4 * 3 * moved / copy
+    assert math.isclose(rate, 3 * profile.total_forward_flops / seconds, rel_tol=1e-12)
+
+
 class _Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
     """The arguments of each matmul run meanwhile."""
 
@@ -276,8 +323,10 @@ def test_a_plan_on_a_measured_device_prices_its_flops_at_the_model_s_rate(
     monkeypatch.setattr(pipeline, "device_throughput", lambda device, dtype: measured)
     ran: list[int] = []
 
-    def rate(device: torch.device, profile: ActivationProfile, peak: float) -> tuple[float, str]:
-        assert peak == 2e11 and profile.priced_calls
+    def rate(
+        device: torch.device, profile: ActivationProfile, peak: float, copy: float | None
+    ) -> tuple[float, str]:
+        assert peak == 2e11 and copy == 1e11 and profile.priced_calls
         ran.append(len(profile.priced_calls))
         return 5e10, "its calls, timed"
 

@@ -5,14 +5,15 @@ The cost model prices FLOPs at one rate, a large square matmul's (`measure.devic
 own matmuls, convolutions and attention are smaller, thinner or of other kernels: on the H100 of
 the first GPU run every unwrapped step modelled from that rate was 33% to 73% short of the
 measured one (benchmarks/RESULTS.md), ResNet's convolutions the furthest. So the forward's
-FLOP-bound calls the trace recorded (`ActivationProfile.priced_calls`, the most FLOPs first) are
-run again on the device at their traced shapes, strides and dtypes, on random tensors, forward
-and backward, and timed (`device._fastest_each`): up to `_MOST` of them, until they hold
-`_COVERED` of the forward's FLOPs. A call not timed (too large for `_BYTES`, an integer tensor
-whose values matter, an operator that cannot be run again) is priced at the large matmul's rate.
-The rate returned is in the cost model's terms, three times the forward's FLOPs a step
-(`cost.compute_seconds`): those FLOPs over the seconds the timed calls take, each as often as the
-whole model runs it, and the rest at the large matmul's rate.
+FLOP-bound calls the trace recorded (`ActivationProfile.priced_calls`) are run again on the
+device at their traced shapes, strides and dtypes, on random tensors, forward and backward, and
+timed (`device._fastest_each`): those taking the most time first as a roofline has it
+(`_Roofline`: the large matmul's FLOP/s or the large copy's bandwidth, whichever is slower for
+the call), up to `_MOST` of them, until they take `_COVERED` of the forward's time so reckoned.
+A call not timed (too large for `_BYTES`, an integer tensor whose values matter, an operator that
+cannot be run again) is priced by that roofline. The rate returned is in the cost model's terms,
+three times the forward's FLOPs a step (`cost.compute_seconds`): those FLOPs over the seconds the
+timed calls take, each as often as the whole model runs it, and the rest's by the roofline.
 
 The memory-bound operators (elementwise, normalisations, softmax, casts: the bytes they read and
 write, `ActivationProfile.forward_traffic`, priced at a large copy's bandwidth) are timed alike
@@ -33,7 +34,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,8 +47,9 @@ from autoshard.wrap.meter import caller_peak_kept
 
 logger = logging.getLogger("autoshard")
 
+_META = torch.device("meta")
 _MOST = 8  # calls timed at most
-_COVERED = 0.9  # timed until they hold this share of the forward's FLOPs
+_COVERED = 0.9  # timed until they take this share of the forward's time (or move of its bytes)
 # The calls' tensors at most, all of them together (inputs and outputs, and their gradients):
 # room beside a model already on the device. A larger call runs near a large matmul's rate.
 _BYTES = 512 * 2**20
@@ -104,10 +106,11 @@ def with_model_rate(
     figures were not (the constants stand)."""
     if throughput is None or profile is None or throughput.flops_per_s is None:
         return throughput
-    flops = _measured(model_rate, device, profile, throughput.flops_per_s)
+    peak, copy = throughput.flops_per_s, throughput.memory_bytes_per_s
+    flops = _measured(lambda: model_rate(device, profile, peak, copy))
     bandwidth = None
-    if throughput.memory_bytes_per_s is not None:
-        bandwidth = _measured(model_bandwidth, device, profile, throughput.memory_bytes_per_s)
+    if copy is not None:
+        bandwidth = _measured(lambda: model_bandwidth(device, profile, copy))
     if flops is None and bandwidth is None:
         return throughput
     return replace(
@@ -119,40 +122,81 @@ def with_model_rate(
     )
 
 
-def _measured(
-    measure: Callable[[torch.device, ActivationProfile, float], tuple[float, str] | None],
-    device: torch.device,
-    profile: ActivationProfile,
-    figure: float,
-) -> tuple[float, str] | None:
+def _measured(measure: Callable[[], tuple[float, str] | None]) -> tuple[float, str] | None:
     try:
-        return measure(device, profile, figure)
+        return measure()
     except Exception:  # noqa: BLE001 - an OOM or a driver error leaves the device's figure
         logger.debug("timing the model's own operators failed", exc_info=True)
         return None
 
 
 def model_rate(
-    device: torch.device, profile: ActivationProfile, peak_flops_per_s: float
+    device: torch.device,
+    profile: ActivationProfile,
+    peak_flops_per_s: float,
+    copy_bytes_per_s: float | None = None,
 ) -> tuple[float, str] | None:
     """The FLOP/s of the model's own step (three times its forward FLOPs over the seconds they
-    take: the timed calls' as measured, the rest at `peak_flops_per_s`) and a sentence saying
-    how it was measured; None where no call could be timed. What it allocates on a GPU is given
-    back to it afterwards (the allocator's cache emptied where it grew)."""
+    take: the timed calls' as measured, the rest by `_Roofline`) and a sentence saying how it
+    was measured; None where no call could be timed. What it allocates on a GPU is given back
+    to it afterwards (the allocator's cache emptied where it grew)."""
     total = profile.total_forward_flops
     if total <= 0:
         return None
+    roofline = _Roofline(peak_flops_per_s, copy_bytes_per_s)
+    # the calls taking the most time first, as the roofline has it (stable: ties as recorded)
+    calls = sorted(profile.priced_calls, key=roofline.seconds, reverse=True)
+    recorded = sum(call.total_flops for call in calls)
+    unrecorded = 3 * max(total - recorded, 0) / peak_flops_per_s
+    whole = sum(map(roofline.seconds, calls)) + unrecorded
+    kind = _Kind(_MOST, roofline.seconds, _no_flops)
     with _cache_given_back(device):
-        found = _timed(device, profile.priced_calls, _flop_bound, total)
-    if found is None:
+        timings = _timed(device, calls, kind, whole)
+    if not timings:
         return None
-    timed, seconds, count, names = found
-    seconds += 3 * max(total - timed, 0) / peak_flops_per_s  # the rest at the matmul's rate
+    timed = [call for call, _ in timings]
+    seconds = sum(call.calls * t for call, t in timings) + unrecorded
+    seconds += sum(roofline.seconds(call) for call in calls if call not in timed)
+    share = sum(call.total_flops for call in timed) / total
     where = (
-        f"{count} of its FLOP-bound calls ({names}; "
-        f"{min(timed / total, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
+        f"{len(timings)} of its FLOP-bound calls ({_names(timings)}; "
+        f"{min(share, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
     )
     return 3 * total / max(seconds, 1e-12), where
+
+
+class _Roofline:
+    """A FLOP-bound call's time before it is timed: forward and backward (about twice its
+    FLOPs and twice its bytes), each at the large matmul's FLOP/s or the large copy's bandwidth,
+    whichever takes longer (Williams, Waterman and Patterson 2009), as often as the model runs
+    it. A depthwise convolution does few FLOPs per byte: it takes a GPU many times what its
+    FLOPs take at a matmul's rate, so it is timed before matmuls of more FLOPs, and priced by
+    its bytes where it is not."""
+
+    def __init__(self, peak_flops_per_s: float, copy_bytes_per_s: float | None) -> None:
+        self.peak = peak_flops_per_s
+        self.bandwidth = copy_bytes_per_s
+        self.moved: dict[tuple[str, str], int] = {}
+
+    def seconds(self, call: PricedCall) -> float:
+        flops = call.flops / self.peak
+        if self.bandwidth is None:
+            return 3 * call.calls * flops
+        key = (call.operator, call.arguments)
+        if key not in self.moved:
+            self.moved[key] = _moved(call.operator, call.arguments)
+        return 3 * call.calls * max(flops, self.moved[key] / self.bandwidth)
+
+
+def _moved(name: str, arguments: str) -> int:
+    """Bytes one forward call reads and writes, its tensors' and its outputs' (on meta); 0 where
+    its arguments were not written or it cannot run on meta."""
+    try:
+        args, kwargs = _made(arguments, _META)
+        return _bytes((args, kwargs, _operator(name)(*args, **kwargs)))
+    except Exception:  # noqa: BLE001 - priced by its FLOPs alone
+        logger.debug("the bytes of %s were not found", name, exc_info=True)
+        return 0
 
 
 def model_bandwidth(
@@ -166,13 +210,14 @@ def model_bandwidth(
     if total <= 0:
         return None
     with _cache_given_back(device):
-        found = _timed(device, profile.moving_calls, _memory_bound, total)
-    if found is None:
+        timings = _timed(device, profile.moving_calls, _memory_bound, total)
+    if not timings:
         return None
-    timed, seconds, count, names = found
+    timed = sum(call.total_bytes for call, _ in timings)
+    seconds = sum(call.calls * t for call, t in timings)
     seconds += max(total - timed, 0) / copy_bytes_per_s  # the rest at the copy's bandwidth
     where = (
-        f"{count} of its memory-bound calls ({names}; "
+        f"{len(timings)} of its memory-bound calls ({_names(timings)}; "
         f"{min(timed / total, 1.0):.0%} of its bytes) run again at its own shapes"
     )
     return total / max(seconds, 1e-12), where
@@ -189,13 +234,16 @@ def _cache_given_back(device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
+Call = TypeVar("Call", PricedCall, MovingCall)
+
+
 @dataclass(frozen=True)
 class _Kind:
     """How calls of one kind are timed: at most `most` of them, each weighing `weight` (its
-    share of the step's FLOPs or bytes), those `runs` refuses (raising `_NotRun`) left."""
+    share of the step's time or bytes), those `runs` refuses (raising `_NotRun`) left."""
 
     most: int
-    weight: Callable[[Any], int]
+    weight: Callable[[Any], float]
     runs: Callable[[Any], None]
 
 
@@ -209,19 +257,16 @@ def _checks_values(call: MovingCall) -> None:
         raise _NotRun("its kernel may check its values")
 
 
-_flop_bound = _Kind(_MOST, lambda call: call.total_flops, _no_flops)
 _memory_bound = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values)
 
 
 def _timed(
-    device: torch.device, calls: Sequence[PricedCall | MovingCall], kind: _Kind, total: int
-) -> tuple[int, float, int, str] | None:
-    """The calls of `kind` timed, the heaviest first, until they weigh `_COVERED` of `total`:
-    their weight, the seconds they take as often as the model runs them, their count and their
-    operators ("addmm, mm"); None where none could be timed. Their tensors are gone on
-    return."""
+    device: torch.device, calls: Sequence[Call], kind: _Kind, total: float
+) -> list[tuple[Call, float]]:
+    """The calls of `kind` timed, the heaviest first, until they weigh `_COVERED` of `total`,
+    each with its seconds a call. Their tensors are gone on return."""
     with _replaying(device):
-        chosen: list[tuple[PricedCall | MovingCall, Callable[[], None], int]] = []
+        chosen: list[tuple[Call, Callable[[], None], int]] = []
         budget = _BYTES
         for call in calls:
             if len(chosen) >= kind.most:
@@ -238,15 +283,11 @@ def _timed(
             chosen.append((call, run, copies))
             budget -= used
         times = _fastest_each(device, [run for _, run, _ in chosen]) if chosen else []
-    if not chosen:
-        return None
-    timed = sum(kind.weight(call) for call, _, _ in chosen)
-    # each timed per copy, as often as the model runs it
-    seconds = sum(
-        call.calls * t / copies for (call, _, copies), t in zip(chosen, times, strict=True)
-    )
-    names = ", ".join(sorted({_short(call.operator) for call, _, _ in chosen}))
-    return timed, seconds, len(chosen), names
+    return [(call, t / copies) for (call, _, copies), t in zip(chosen, times, strict=True)]
+
+
+def _names(timings: Sequence[tuple[PricedCall | MovingCall, float]]) -> str:
+    return ", ".join(sorted({_short(call.operator) for call, _ in timings}))
 
 
 def _runs_on_any_values(name: str) -> bool:
@@ -282,19 +323,9 @@ def _run_again(
     (`_COPIES` at most, within `budget` bytes, and more than one only within `share`, what is
     left for each call of those to come): the run, its copies, and the bytes it holds. Run
     already (raises `_NotRun`, or what running it raised)."""
-    if not arguments:
-        raise _NotRun("arguments not written")
     operator = _operator(name)
-    spec = json.loads(arguments)
-
-    def made(on: torch.device) -> tuple[list[Any], dict[str, Any]]:
-        def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> Any:
-            return _tensor(shape, stride, dtype, grad, on)
-
-        return read(spec["args"], tensor), {k: read(v, tensor) for k, v in spec["kwargs"].items()}
-
     # the sizes first, on meta, before any memory is taken
-    meta_args, meta_kwargs = made(torch.device("meta"))
+    meta_args, meta_kwargs = _made(arguments, _META)
     meta_out = operator(*meta_args, **meta_kwargs)
     held = _bytes((meta_args, meta_kwargs))  # shared by every copy
     each = _bytes(meta_out)  # a copy's outputs
@@ -305,7 +336,7 @@ def _run_again(
         budget = min(budget, free // 2)
     if held + each > budget:
         raise _NotRun(f"{held + each} bytes, {budget} free for it")
-    args, kwargs = made(device)
+    args, kwargs = _made(arguments, device)
     single = _copies(operator, args, kwargs, 1)
     single()  # the first run warms up (kernels chosen, workspaces made)
     _synchronize(device)
@@ -318,6 +349,18 @@ def _run_again(
     run = single if copies == 1 else _copies(operator, args, kwargs, copies)
     run()
     return run, copies, held + copies * each
+
+
+def _made(arguments: str, device: torch.device) -> tuple[list[Any], dict[str, Any]]:
+    """The positional and keyword arguments `arguments` writes, their tensors on `device`."""
+    if not arguments:
+        raise _NotRun("arguments not written")
+    spec = json.loads(arguments)
+
+    def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> Any:
+        return _tensor(shape, stride, dtype, grad, device)
+
+    return read(spec["args"], tensor), {k: read(v, tensor) for k, v in spec["kwargs"].items()}
 
 
 def _copies(operator: Any, args: list[Any], kwargs: dict[str, Any], n: int) -> Callable[[], None]:
@@ -346,12 +389,13 @@ def _tensor(
     shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool, device: torch.device
 ) -> torch.Tensor:
     """A tensor of the traced shape, strides and dtype on `device`, of random values (a
-    floating-point or boolean one: an integer tensor's values matter, offsets or indices)."""
-    if not dtype.is_floating_point and dtype is not torch.bool:
-        raise _NotRun(f"a {dtype} tensor, whose values matter")
+    floating-point or boolean one: an integer tensor's values matter, offsets or indices; on
+    meta, which holds none, any)."""
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
     if device.type == "meta":
         base = torch.empty(extent, dtype=dtype, device=device)
+    elif not dtype.is_floating_point and dtype is not torch.bool:
+        raise _NotRun(f"a {dtype} tensor, whose values matter")
     elif dtype is torch.bool:  # a mask
         base = torch.rand(extent, device=device) < 0.5
     elif dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
