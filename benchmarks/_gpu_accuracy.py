@@ -17,9 +17,9 @@ The figures compared, per configuration:
 - reserved: `torch.cuda.max_memory_reserved` over the whole configuration less what was reserved
   before it, against the usable memory the plan fitted to (CUDA only).
 - step time: the plan's own modelled step (on a GPU, from the figures `prepare` measured there,
-  its FLOP/s the model's own: `measure.rates`; on the CPU dry run, the constants), and the cost
-  model's with the calibration section's figures (`Throughput`: a large matmul's FLOP/s), beside
-  the measured median step.
+  its FLOP/s and its operators' bandwidth the model's own: `measure.rates`; on the CPU dry run,
+  the constants), and the cost model's with the calibration section's figures (`Throughput`: a
+  large matmul's FLOP/s, a large copy's bandwidth), beside the measured median step.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def accuracy_md(result: dict[str, Any]) -> list[str]:
         "",
         "| model | world | strategy | AdamW | AC | params | estimate | measured | error | "
         "reserved | usable | step (measured) | modelled (the plan's) | "
-        "modelled (a large matmul's FLOP/s) |",
+        "modelled (a large matmul's FLOP/s, a large copy's bandwidth) |",
         "|" + "---|" * 14,
     ]
     for r in result["rows"]:
