@@ -193,8 +193,8 @@ def gather(call: Call, target: Target) -> _Gathered:
         buffer_digests(model) if in_job else {},
         cublas_workspaces(target.device, mp.dtype),  # after the free memory was read
         host_throughput(target.device, optimizer) if _weighs_offload(target, request) else None,
-        # the model's own FLOP/s too, at its traced shapes (a largest-batch probe's plans weigh
-        # memory alone)
+        # the model's own FLOP/s and operators' bandwidth too, at its traced shapes (a
+        # largest-batch probe's plans weigh memory alone)
         with_model_rate(
             device_throughput(target.device, mp.dtype),
             target.device,
