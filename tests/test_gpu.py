@@ -245,7 +245,7 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     # and the FLOP/s the model's own: its linears run again at their shapes (`measure.rates`),
     # and its operators' bandwidth: its norms, additions and casts
     assert "; FLOP/s the model's own, " in chose and "FLOP-bound calls (" in chose, chose
-    assert "; its operators' bandwidth the model's own, " in chose, chose
+    assert "; operator bandwidth the model's own, " in chose, chose
 
 
 def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:

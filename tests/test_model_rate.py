@@ -221,6 +221,18 @@ def test_the_calls_taking_the_most_time_by_the_roofline_are_timed_first(
     assert where.startswith("1 of its FLOP-bound calls (mm; "), where
 
 
+def test_the_roofline_counts_a_view_s_own_elements_not_its_whole_storage() -> None:
+    """q, k and v cut from one fused projection each read their own columns, as the trace
+    counts them."""
+    fused = torch.empty(2, 4, 16, 3 * 8)
+    q, k, v = (fused[..., i * 8 : (i + 1) * 8] for i in range(3))
+    arguments = arguments_json((q, k, v), {})
+    moved = rates_module._moved(
+        "aten._scaled_dot_product_flash_attention_for_cpu.default", arguments
+    )
+    assert moved > 0 and moved <= 4 * 2 * 4 * 16 * 8 * 4 + 2 * 4 * 16 * 4  # q, k, v, out, lse
+
+
 def test_a_call_not_timed_is_priced_by_its_bytes_where_they_take_longer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -376,7 +388,7 @@ def test_a_call_whose_arguments_cannot_be_written_keeps_the_trace() -> None:
 def test_calls_not_written_keep_each_its_own_flops() -> None:
     """Keyed by their FLOPs, not merged into one record of the largest."""
     calls = PricedCalls(1)
-    unwritable = (torch.device("cpu"),)  # no priced operator takes one: JSON here has none
+    unwritable = (torch.Generator(),)  # no priced operator takes one: JSON here has none
     for flops, block in ((100, 0), (300, 0), (100, None)):
         calls.record(torch.ops.aten.mm.default, unwritable, {}, flops, block, True)
     made = calls.result()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -44,6 +45,12 @@ CPU = torch.device("cpu")
 def _gpt(depth: int = 4, rows: int = 2) -> zoo.ZooModel:
     return zoo.BUILDERS["gpt"](
         rows, d_model=64, n_layer=depth, n_head=4, seq_len=32, vocab_size=256
+    )
+
+
+def _llama(depth: int = 4, rows: int = 2) -> zoo.ZooModel:
+    return zoo.BUILDERS["llama"](
+        rows, width=64, depth=depth, heads=4, kv_heads=2, seq_len=32, vocab_size=256
     )
 
 
@@ -88,26 +95,65 @@ def _tensors(written: object) -> list[list[object]]:
     return []
 
 
-def test_the_calls_moving_the_most_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    built = _gpt()
-    _, blocks = _blocks(built.model)
-    every = profile_step(built.model, blocks, built.batch, built.loss_fn, None).moving_calls
-    monkeypatch.setattr(priced, "_KEPT", 5)
-    kept = profile_step(built.model, blocks, built.batch, built.loss_fn, None).moving_calls
-    assert len(every) > 5 and kept == every[:5]
-
-
-def test_a_shallow_trace_extends_each_memory_bound_call_to_every_block() -> None:
-    """A model of 16 alike blocks is traced on 3 of them and extended: its calls, block by block,
-    are the whole model's trace's."""
-    built = _gpt(depth=16)
+def test_the_calls_moving_the_most_in_the_whole_model_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trace keeps every call; the profile the calls moving the most bytes, cut once a
+    shallow trace is extended: a 16-block Llama's shallow copy has its head's calls among its
+    first, which the whole model's blocks outweigh."""
+    built = _llama(depth=16)
     names, blocks = _blocks(built.model)
-    shallow = facts._profile(built.model, blocks, built.batch, built.loss_fn, None, names)
+    every = profile_step(built.model, blocks, built.batch, built.loss_fn, None).moving_calls
+    profile = facts._profile(built.model, blocks, built.batch, built.loss_fn, None, names)
+    assert len(every) > priced._KEPT and profile.moving_calls == every[: priced._KEPT]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])
+def test_a_shallow_trace_extends_each_memory_bound_call_to_every_block(
+    build: Callable[..., zoo.ZooModel], dtype: torch.dtype | None
+) -> None:
+    """A model of 16 alike blocks is traced on 3 of them and extended: the calls kept, block by
+    block, are the whole model's trace's."""
+    built = build(depth=16)
+    names, blocks = _blocks(built.model)
+    shallow = facts._profile(built.model, blocks, built.batch, built.loss_fn, dtype, names)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(facts, "repeats", lambda *args: None)
-        whole = facts._profile(built.model, blocks, built.batch, built.loss_fn, None, names)
+        whole = facts._profile(built.model, blocks, built.batch, built.loss_fn, dtype, names)
     assert shallow.moving_calls and shallow.moving_calls == whole.moving_calls
     assert all(len(c.block_calls) == 16 for c in shallow.moving_calls)
+
+
+def test_calls_of_equal_arguments_moving_different_bytes_are_kept_apart() -> None:
+    """An expanded row of a 2-row and of a 16-row tensor: the same shape and strides, but
+    storages of different sizes, whose bytes the trace counts."""
+    calls = priced.MovingCalls(1)
+    for rows in (2, 16):
+        row = torch.empty(rows, 4)[0].expand(8, 4)
+        moved = sum(min(t.numel() * 4, t.untyped_storage().nbytes()) for t in (row, row + 0))
+        calls.record(torch.ops.aten.mul.Tensor, (row, 2.0), {}, moved, 0, True)
+    recorded = calls.result()
+    assert sorted(c.moved for c in recorded) == [2 * 16 + 128, 128 + 128]  # a row read once
+    assert all(c.block_calls == (1,) for c in recorded)
+
+
+def test_autocast_s_casts_forward_and_backward_are_written_and_run_again() -> None:
+    """Under bf16 autocast, backward casts each gradient back with `device=` its device: written
+    by type, run again on the device timed; a call naming another device (a copy between
+    them) is not run."""
+    built = _gpt()
+    _, blocks = _blocks(built.model)
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, torch.bfloat16)
+    casts = [c for c in profile.moving_calls if c.operator == "aten._to_copy.default"]
+    assert casts and all(c.arguments for c in casts)
+    assert any('"device": "cpu"' in c.arguments for c in casts)
+    for cast in casts:
+        run, _, _ = rates_module._run_again(cast.operator, cast.arguments, CPU)
+        run()
+    elsewhere = casts[0].arguments.replace('"device": "cpu"', '"device": "cuda"')
+    with pytest.raises(rates_module._NotRun, match="naming cuda"):
+        rates_module._run_again(casts[0].operator, elsewhere, CPU)
 
 
 def test_the_memory_bound_calls_survive_the_cache_and_not_the_scaling() -> None:
@@ -250,7 +296,7 @@ def test_the_slowest_rank_s_bandwidth_prices_the_model_s_bytes_and_says_so() -> 
     taken = with_device(inputs, [_report(0, 2e12), _report(1, 1e12)])
     hardware = taken.hardware
     assert hardware.operator_bytes_per_s == 1e12 and hardware.memory_bytes_per_s == 3e12
-    assert "; its operators' bandwidth the model's own, 9 of its calls" in hardware.source
+    assert "; operator bandwidth the model's own, 9 of its calls" in hardware.source
     assert "FLOP/s the model's own" not in hardware.source
     profile, stats = taken.profile, taken.stats
     assert profile is not None
@@ -270,7 +316,7 @@ def test_the_slowest_rank_s_bandwidth_prices_the_model_s_bytes_and_says_so() -> 
     # a report's figures read back by the GPU suite's calibration
     read = hardware_for("cuda", (9, 0), True, _report(0, 5e11).device_throughput)
     assert read.traffic_bytes_per_s == 5e11 and read.memory_bytes_per_s == 3e12
-    assert "its operators' bandwidth the model's own, 9 of its calls" in read.source
+    assert "operator bandwidth the model's own, 9 of its calls" in read.source
 
 
 def test_the_model_s_bandwidth_must_be_a_positive_number() -> None:

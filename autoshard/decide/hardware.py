@@ -108,7 +108,7 @@ class Throughput:
         if self.model_flops_per_s is not None:
             parts.append(f"FLOP/s the model's own, {self.model_where}")
         if self.model_memory_bytes_per_s is not None:
-            parts.append(f"its operators' bandwidth the model's own, {self.model_memory_where}")
+            parts.append(f"operator bandwidth the model's own, {self.model_memory_where}")
         return "; ".join(parts) or None
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from autoshard.measure import cache
 from autoshard.measure.fake import attributes_kept, shallow_copy
 from autoshard.measure.layout import SHALLOW, Layout, repeats
 from autoshard.measure.operators import first_unlike
+from autoshard.measure.priced import most_moving
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.measure.step import autograd_on
 from autoshard.measure.trace import extended, profile_scaled, profile_step
@@ -219,6 +220,21 @@ def _flops_note(profile: ActivationProfile) -> str:
 
 
 def _profile(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    loss_fn: LossFn | None,
+    dtype: torch.dtype | None,
+    names: list[str] | None,
+    device: torch.device | None = None,
+) -> ActivationProfile:
+    """The trace's profile (`_traced`), its memory-bound calls cut to those moving the most
+    bytes in the whole model (`priced.most_moving`)."""
+    profile = _traced(model, blocks, batch, loss_fn, dtype, names, device)
+    return replace(profile, moving_calls=most_moving(profile.moving_calls))
+
+
+def _traced(
     model: nn.Module,
     blocks: list[nn.Module],
     batch: Any,

@@ -1,7 +1,7 @@
 """The forward's FLOP-bound operators and the step's memory-bound ones as the trace meets them
 (`trace._Traffic`), one record per distinct call, written so that `measure.rates` can run each
 again on the device: the operator's name and its arguments, tensors by shape, strides, dtype and
-whether they require a gradient, dtypes, layouts and memory formats by name.
+whether they require a gradient, dtypes, layouts and memory formats by name, devices by type.
 
 Recording never fails the trace (the activations matter more than a call's timing): a call whose
 arguments cannot be written is kept with "" for them, under its own FLOPs, and not run again."""
@@ -35,7 +35,7 @@ _KEPT = 32
 
 
 class _Unwritable(Exception):
-    """An argument of a kind JSON cannot hold here (a device, a nested or sparse tensor)."""
+    """An argument of a kind JSON cannot hold here (a generator, a nested or sparse tensor)."""
 
 
 class PricedCalls:
@@ -108,7 +108,6 @@ class MovingCalls:
 
     def __init__(self, n_blocks: int) -> None:
         self.n_blocks = n_blocks
-        self.moved: dict[tuple[str, str, int], int] = {}
         self.calls: dict[tuple[str, str, int], list[int]] = {}  # per block, then outside them
         self.pending: list[tuple[str, str, int]] = []  # the forward's since the last block
 
@@ -117,10 +116,9 @@ class MovingCalls:
     ) -> None:
         """One call of `func`, moving `moved` bytes, in `block`'s forward or backward (None:
         outside the blocks)."""
-        arguments = _safely(func, args, kwargs, False)
-        # calls not written are told apart by their bytes alone, so that each keeps its own
-        key = (str(func), arguments, moved if not arguments else 0)
-        self.moved[key] = max(self.moved.get(key, 0), moved)
+        # bytes in the key: equal arguments may move different bytes (an expanded tensor's
+        # storage), and calls not written are told apart by them alone
+        key = (str(func), _safely(func, args, kwargs, False), moved)
         if block is None and forward:
             self.pending.append(key)
         else:
@@ -137,16 +135,18 @@ class MovingCalls:
         calls[self.n_blocks if block is None else block] += 1
 
     def result(self) -> tuple[MovingCall, ...]:
-        """The `_KEPT` calls moving the most bytes in all, the most first (ties by operator and
-        arguments)."""
+        """Every call, the most bytes in all first (ties by operator and arguments)."""
         for key in self.pending:  # after the last block: the head's, the loss's
             self._count(key, None)
         self.pending.clear()
-        made = [
-            MovingCall(key[0], key[1], self.moved[key], tuple(c[:-1]), c[-1])
-            for key, c in self.calls.items()
-        ]
-        return tuple(sorted(made, key=moving_order)[:_KEPT])
+        made = [MovingCall(*key, tuple(c[:-1]), c[-1]) for key, c in self.calls.items()]
+        return tuple(sorted(made, key=moving_order))
+
+
+def most_moving(calls: tuple[MovingCall, ...]) -> tuple[MovingCall, ...]:
+    """The `_KEPT` calls moving the most bytes in all, the most first: cut once a shallow trace's
+    calls are extended to the model's blocks, where the blocks' weigh more than the head's."""
+    return tuple(sorted(calls, key=moving_order)[:_KEPT])
 
 
 def _both(func: Any, args: Any, kwargs: Any, needs: bool = True) -> tuple[str, str]:
@@ -199,6 +199,8 @@ def _written(value: Any, needs: bool | None) -> Any:
         return {"memory_format": str(value)}
     if isinstance(value, torch.layout):
         return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):  # its type: the call runs again on the device timed
+        return {"device": value.type}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
@@ -206,11 +208,12 @@ def _written(value: Any, needs: bool | None) -> Any:
     raise _Unwritable
 
 
-def read(value: Any, tensor: Any) -> Any:
+def read(value: Any, tensor: Any, device: Any = None) -> Any:
     """An argument as written, back: each tensor made by `tensor(shape, stride, dtype,
-    requires_grad)`, dtypes, layouts and memory formats by name."""
+    requires_grad)`, each device by `device(type)`, dtypes, layouts and memory formats by
+    name."""
     if isinstance(value, list):
-        return [read(v, tensor) for v in value]
+        return [read(v, tensor, device) for v in value]
     if not isinstance(value, dict):
         return value
     if set(value) == {"tensor"}:
@@ -222,6 +225,8 @@ def read(value: Any, tensor: Any) -> Any:
         return _MEMORY_FORMATS[value["memory_format"]]
     if set(value) == {"layout"}:
         return _layout(value["layout"])
+    if set(value) == {"device"} and device is not None:
+        return device(value["device"])
     raise ValueError(f"not an argument as written: {value!r}")
 
 

@@ -84,9 +84,12 @@ _ANY_VALUES = frozenset(
         "aten._fused_rms_norm",
         "aten._fused_rms_norm_backward",
         "aten._softmax",
+        "aten._safe_softmax",
         "aten._log_softmax",
         "aten._softmax_backward_data",
         "aten._log_softmax_backward_data",
+        "aten.slice_backward",
+        "aten.select_backward",
         "aten.fill_",
         "aten.zero_",
         "aten.masked_fill_",
@@ -189,11 +192,19 @@ class _Roofline:
 
 
 def _moved(name: str, arguments: str) -> int:
-    """Bytes one forward call reads and writes, its tensors' and its outputs' (on meta); 0 where
-    its arguments were not written or it cannot run on meta."""
+    """Bytes one forward call reads and writes, its tensors' and its outputs' (on meta), each
+    at most its elements' (as the trace counts them: q, k and v cut from one projection read
+    their own columns, not its whole storage); 0 where its arguments were not written or it
+    cannot run on meta."""
     try:
-        args, kwargs = _made(arguments, _META)
-        return _bytes((args, kwargs, _operator(name)(*args, **kwargs)))
+        with disable_current_modes():  # whatever modes the caller runs under
+            args, kwargs = _made(arguments, _META)
+            out = _operator(name)(*args, **kwargs)
+        return sum(
+            min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+            for t in tree_leaves((args, kwargs, out))
+            if _is_tensor(t)
+        )
     except Exception:  # noqa: BLE001 - priced by its FLOPs alone
         logger.debug("the bytes of %s were not found", name, exc_info=True)
         return 0
@@ -360,7 +371,13 @@ def _made(arguments: str, device: torch.device) -> tuple[list[Any], dict[str, An
     def tensor(shape: list[int], stride: list[int], dtype: torch.dtype, grad: bool) -> Any:
         return _tensor(shape, stride, dtype, grad, device)
 
-    return read(spec["args"], tensor), {k: read(v, tensor) for k, v in spec["kwargs"].items()}
+    def on(kind: str) -> torch.device:
+        if device.type != "meta" and kind != device.type:  # a copy between devices
+            raise _NotRun(f"a call naming {kind}, run again on {device.type}")
+        return device
+
+    args = read(spec["args"], tensor, on)
+    return args, {k: read(v, tensor, on) for k, v in spec["kwargs"].items()}
 
 
 def _copies(operator: Any, args: list[Any], kwargs: dict[str, Any], n: int) -> Callable[[], None]:
