@@ -228,23 +228,11 @@ def _profile(
     names: list[str] | None,
     device: torch.device | None = None,
 ) -> ActivationProfile:
-    """The trace's profile (`_traced`), its memory-bound calls cut to those moving the most
-    bytes in the whole model (`priced.most_moving`)."""
-    profile = _traced(model, blocks, batch, loss_fn, dtype, names, device)
-    return replace(profile, moving_calls=most_moving(profile.moving_calls))
+    """The trace's profile, its memory-bound calls cut to those moving the most bytes in the
+    whole model (`priced.most_moving`): a shallow trace's once extended."""
 
-
-def _traced(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    batch: Any,
-    loss_fn: LossFn | None,
-    dtype: torch.dtype | None,
-    names: list[str] | None,
-    device: torch.device | None = None,
-) -> ActivationProfile:
     def whole() -> ActivationProfile:
-        return profile_step(model, blocks, batch, loss_fn, dtype, device=device)
+        return _kept(profile_step(model, blocks, batch, loss_fn, dtype, device=device))
 
     # One copy is traced, not three as simulated (`layout.layout`): worth it wherever it holds
     # fewer blocks (BART-large's 12 + 12 blocks: 6, a quarter of the whole trace's operators)
@@ -265,7 +253,11 @@ def _traced(
     prefixes = tuple(f"{name}." for name in kept)
     if any(name.startswith(prefixes) for name in profile.unused_parameters):
         return whole()
-    return extended(profile, names, found.source(SHALLOW[0]))
+    return _kept(extended(profile, names, found.source(SHALLOW[0])))
+
+
+def _kept(profile: ActivationProfile) -> ActivationProfile:
+    return replace(profile, moving_calls=most_moving(profile.moving_calls))
 
 
 def _unlike(
