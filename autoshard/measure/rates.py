@@ -221,7 +221,8 @@ def model_bandwidth(
     if total <= 0:
         return None
     with _cache_given_back(device):
-        timings = _timed(device, profile.moving_calls, _memory_bound, total)
+        kind = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values)
+        timings = _timed(device, profile.moving_calls, kind, total)
     if not timings:
         return None
     timed = sum(call.total_bytes for call, _ in timings)
@@ -266,9 +267,6 @@ def _no_flops(call: PricedCall) -> None:
 def _checks_values(call: MovingCall) -> None:
     if not _runs_on_any_values(call.operator):
         raise _NotRun("its kernel may check its values")
-
-
-_memory_bound = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values)
 
 
 def _timed(
