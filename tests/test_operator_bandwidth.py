@@ -16,12 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 from _dist import REPO
-from test_model_rate import _timed
+from test_model_rate import _blocks, _llama, _timed
 from test_plan import AMPLE, make_inputs
 
 from autoshard import Strategy
 from autoshard._world import Memory, RankReport
-from autoshard.decide.blocks import find_blocks
 from autoshard.decide.cost import compute_seconds
 from autoshard.decide.hardware import Throughput, hardware_for
 from autoshard.decide.profile import ActivationProfile, MovingCall
@@ -46,17 +45,6 @@ def _gpt(depth: int = 4, rows: int = 2) -> zoo.ZooModel:
     return zoo.BUILDERS["gpt"](
         rows, d_model=64, n_layer=depth, n_head=4, seq_len=32, vocab_size=256
     )
-
-
-def _llama(depth: int = 4, rows: int = 2) -> zoo.ZooModel:
-    return zoo.BUILDERS["llama"](
-        rows, width=64, depth=depth, heads=4, kv_heads=2, seq_len=32, vocab_size=256
-    )
-
-
-def _blocks(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Module]]:
-    found = find_blocks(model)
-    return [n for n, _ in found], [m for _, m in found]
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
