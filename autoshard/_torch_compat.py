@@ -234,11 +234,6 @@ def mem_trackers() -> tuple[Any, Any]:
     return resolve("FSDPMemTracker"), resolve("MemTracker")
 
 
-def fake_mode() -> Any:
-    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs."""
-    return resolve("FakeTensorMode")(allow_non_fake_inputs=True)
-
-
 def fake_store() -> Any:
     """The fake process group's store; importing it registers the "fake" backend."""
     return resolve("FakeStore")()

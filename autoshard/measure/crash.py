@@ -27,8 +27,7 @@ def fake_step(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> 
     """One training step of `strategy` on a fake copy of `model`, wrapped as `wrap.apply` wraps it,
     with no memory tracker: None when it runs, else the error it raised."""
     from autoshard._batch import call_model, compute_loss
-    from autoshard._torch_compat import fake_mode
-    from autoshard.measure.fake import wider_fake_kernels
+    from autoshard.measure.fake import fake_mode, wider_fake_kernels
     from autoshard.measure.simulate import wrapped_copy
     from autoshard.strategies.engines import autocast_hooks
 

@@ -28,8 +28,14 @@ from autoshard._torch_compat import (
     grouped_mm_output,
     keep_children,
     missing,
+    resolve,
 )
 from autoshard.measure.answers import READ_BACK, answering
+
+
+def fake_mode() -> Any:
+    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs."""
+    return resolve("FakeTensorMode")(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager

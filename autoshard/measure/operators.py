@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from autoshard._batch import split_batch
-from autoshard._torch_compat import TorchDispatchMode, fake_mode, tree_leaves
-from autoshard.measure.fake import attributes_kept, wider_fake_kernels
+from autoshard._torch_compat import TorchDispatchMode, tree_leaves
+from autoshard.measure.fake import attributes_kept, fake_mode, wider_fake_kernels
 from autoshard.measure.layout import SHALLOW, Layout
 from autoshard.measure.trace import autocast_for, device_type_of, fake_state
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import LossFn
-from autoshard._torch_compat import fake_mode, sharding_propagation_untracked, tree_map
+from autoshard._torch_compat import sharding_propagation_untracked, tree_map
 from autoshard.decide.estimate import (
     ModelStats,
     Phase,
@@ -57,6 +57,7 @@ from autoshard.measure.crash import crash_of
 from autoshard.measure.fake import (
     fake_copy,
     fake_mesh,
+    fake_mode,
     fake_optimizer,
     fake_tensor,
     per_parameter_step,

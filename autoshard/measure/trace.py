@@ -41,7 +41,6 @@ from autoshard._batch import (
 )
 from autoshard._torch_compat import (
     TorchDispatchMode,
-    fake_mode,
     flop_formulas,
     grouped_mm,
     op_overload,
@@ -53,7 +52,7 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
-from autoshard.measure.fake import attributes_kept, fake_tensor, wider_fake_kernels
+from autoshard.measure.fake import attributes_kept, fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
 
 logger = logging.getLogger("autoshard")
