@@ -549,6 +549,13 @@ def clear_cublas_workspaces() -> bool:
     return True
 
 
+def writes_arguments(func: Any) -> bool:
+    """Whether operator overload `func` may write into any of its arguments (in place, `out=`),
+    as its schema says; True for one without a schema."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or bool(schema.is_mutable)
+
+
 def op_overload(name: str) -> Any:
     """The default overload of operator `SYMBOLS[name]`, or None on a torch without it."""
     try:

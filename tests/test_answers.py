@@ -70,3 +70,87 @@ def test_a_place_read_both_ways_or_differing_between_runs_is_not_answered() -> N
     assert recorder.answers() == {}
     assert agreed([{"a": True, "b": False}, {"a": True, "b": True}]) == {"a": True}
     assert agreed([{"a": True}, {}]) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# A uniform draw compared with a bound outside [0, 1): answered with no real step
+
+
+def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_and_one_inside_is_not() -> None:
+    from autoshard.measure.fake import fake_mode
+
+    with fake_mode():
+        draw = torch.rand([])
+        assert bool(draw < 0.0) is False  # LayerDrop's default: never dropped
+        assert bool(draw <= -0.5) is False
+        assert bool(draw < 1.0) is True
+        assert bool(draw >= 0) is True
+        assert bool(draw > 1) is False
+        assert bool(torch.rand_like(torch.zeros(1)) < 0.0) is False
+        assert bool(torch.rand([], generator=torch.Generator()) < 0.0) is False
+        with pytest.raises(DataDependentOutputException):
+            bool(draw < 0.5)  # the draw decides
+        with pytest.raises(DataDependentOutputException):
+            bool(draw <= 0.0)  # 0.0 may be drawn
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.zeros([]) < 0.0)  # not a draw: its values are unknown
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.rand([]) * 2 < 1.0)  # no longer a draw in [0, 1)
+        scaled = torch.rand([])
+        scaled.mul_(2)  # written over: in [0, 2) now
+        with pytest.raises(DataDependentOutputException):
+            bool(scaled < 1.0)
+        through = torch.rand([])
+        through.view(1).mul_(2)  # written over through a view
+        with pytest.raises(DataDependentOutputException):
+            bool(through < 1.0)
+        decided = torch.rand([]) < 0.0
+        decided.logical_not_()
+        with pytest.raises(DataDependentOutputException):
+            bool(decided)
+
+
+class _LayerDrop(nn.Module):
+    """transformers' LayerDrop before 5.21: a draw per layer in training, compared with the drop
+    probability whatever it is (`None`: no draw at all)."""
+
+    def __init__(self, drop: float | None) -> None:
+        super().__init__()
+        self.drop = drop
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(6))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and self.drop is not None and torch.rand([]) < self.drop:
+                continue
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def _planned_on_meta(drop: float | None) -> tuple[int, tuple[str, ...]]:
+    import autoshard
+
+    with torch.device("meta"):
+        model = _LayerDrop(drop)
+        batch = torch.zeros(8, 32)
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        batch,
+        loss_fn=lambda out, _: out,
+        world_size=2,
+        device="cpu",
+        device_memory="8GiB",
+    )
+    return plan.chosen.estimated_peak_bytes, plan.reasons
+
+
+def test_a_model_on_meta_that_draws_for_layer_drop_is_planned_as_one_that_does_not() -> None:
+    # before: on meta its forward read the draw back, and no real step could answer it
+    peak, reasons = _planned_on_meta(0.0)
+    undrawn, _ = _planned_on_meta(None)
+    assert peak == undrawn
+    assert not any("could not be traced" in r for r in reasons)
+    _, drawn = _planned_on_meta(0.5)  # the draw decides: traced as before, saying so
+    assert any("could not be traced on fake tensors" in r for r in drawn)

@@ -14,10 +14,18 @@ batch) read the same value at that place: a yes/no that does not change with the
 mask causal, is there padding) takes the same branch at the batch's full size. A number read back
 (a count of tokens, a size) is not answered: it can grow with the batch, and the simulation then
 fails as before and falls back to the formulas, saying so.
+
+One yes/no needs no real step: a uniform draw in [0, 1) compared with a bound outside that range
+has one answer whatever was drawn (`DecidedDraws`). transformers' LayerDrop before 5.21 (BART,
+mBART, Marian, Pegasus, Whisper, ...) draws `torch.rand([])` for every layer in training and
+compares it with its drop probability, 0.0 by default: never below it. Without this a model of
+those built on meta could not be planned at all (no real values to trace), and one built on a
+device was traced on real tensors for it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +34,7 @@ from typing import Any
 
 import torch
 
-from autoshard._torch_compat import TorchDispatchMode, op_overload
+from autoshard._torch_compat import TorchDispatchMode, op_overload, resolve, writes_arguments
 
 READ_BACK = op_overload("_local_scalar_dense")  # what `bool(tensor)` and `.item()` run
 # The frames that name a place in the code: the innermost ones of the model's own code, which is
@@ -100,3 +108,59 @@ def answering(answers: Mapping[str, bool]) -> Callable[..., Any]:
         return NotImplemented
 
     return kernel
+
+
+aten = torch.ops.aten
+# Operators whose every element is drawn uniformly from [0, 1)
+_DRAWS = (aten.rand.default, aten.rand.generator, aten.rand_like.default)
+# A comparison of such a draw with a bound: its answer for every element, where the bound decides
+# it (None where the draw decides)
+_COMPARED: dict[Any, Callable[[float], bool | None]] = {
+    aten.lt.Scalar: lambda bound: True if bound >= 1 else False if bound <= 0 else None,
+    aten.le.Scalar: lambda bound: True if bound >= 1 else False if bound < 0 else None,
+    aten.gt.Scalar: lambda bound: False if bound >= 1 else True if bound < 0 else None,
+    aten.ge.Scalar: lambda bound: False if bound >= 1 else True if bound <= 0 else None,
+}
+
+
+@functools.cache
+def decided_draws() -> type:
+    """A FakeTensorMode that answers the read-back of a uniform draw compared with a bound
+    outside [0, 1) (the module's docstring), before its dispatch cache is consulted; every
+    other read-back as torch's fake mode does (or the `answering` kernel). It overrides
+    `dispatch`, which `__torch_dispatch__` calls on every torch 2.11 to 2.15; a torch that did
+    not call it would leave every draw undecided, as before."""
+    base = resolve("FakeTensorMode")
+
+    class DecidedDraws(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # by identity: a tensor's == is elementwise, its truth a read-back
+            self._draws = torch.utils.weak.WeakIdKeyDictionary()
+            self._decided = torch.utils.weak.WeakIdKeyDictionary()
+
+        def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is READ_BACK and args and args[0] in self._decided:
+                return self._decided[args[0]]
+            out = super().dispatch(func, types, args, kwargs)
+            if writes_arguments(func):
+                # a draw or an answer written over in place, or through a view, is neither any
+                # more: forget them all (LayerDrop compares its draw at once)
+                self._draws = torch.utils.weak.WeakIdKeyDictionary()
+                self._decided = torch.utils.weak.WeakIdKeyDictionary()
+            elif func in _DRAWS and isinstance(out, torch.Tensor):
+                self._draws[out] = True
+            elif (
+                func in _COMPARED
+                and isinstance(out, torch.Tensor)
+                and len(args) == 2
+                and args[0] in self._draws
+                and isinstance(args[1], (int, float))
+                and not isinstance(args[1], bool)
+            ):
+                answer = _COMPARED[func](float(args[1]))
+                if answer is not None:
+                    self._decided[out] = answer
+            return out
+
+    return DecidedDraws

@@ -28,14 +28,15 @@ from autoshard._torch_compat import (
     grouped_mm_output,
     keep_children,
     missing,
-    resolve,
 )
-from autoshard.measure.answers import READ_BACK, answering
+from autoshard.measure.answers import READ_BACK, answering, decided_draws
 
 
 def fake_mode() -> Any:
-    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs."""
-    return resolve("FakeTensorMode")(allow_non_fake_inputs=True)
+    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs, and answers
+    what a uniform draw compared with a bound outside its range reads back
+    (`answers.decided_draws`)."""
+    return decided_draws()(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
