@@ -143,9 +143,10 @@ def decided_draws() -> type:
             if func is READ_BACK and args and args[0] in self._decided:
                 return self._decided[args[0]]
             out = super().dispatch(func, types, args, kwargs)
-            if writes_arguments(func):
+            if (self._draws or self._decided) and writes_arguments(func):
                 # a draw or an answer written over in place, or through a view, is neither any
-                # more: forget them all (LayerDrop compares its draw at once)
+                # more: forget them all (LayerDrop compares its draw at once); with none held,
+                # every operator of the step passes here at no more cost than this test
                 self._draws = torch.utils.weak.WeakIdKeyDictionary()
                 self._decided = torch.utils.weak.WeakIdKeyDictionary()
             elif func in _DRAWS and isinstance(out, torch.Tensor):
