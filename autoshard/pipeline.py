@@ -56,6 +56,7 @@ from autoshard.measure.facts import (
     forced_checkpointing,
     measure,
     plan_inputs,
+    precision_off,
     resolve_mixed_precision,
     usable_host_memory,
     usable_memory,
@@ -174,9 +175,12 @@ def gather(call: Call, target: Target) -> _Gathered:
     batch, meta_note = batch_for_meta(model, call.batch)
     progress(target, "tracing one step of the example batch for its activations")
     traced_on = simulated_on(target.device)  # a model on meta: traced where it is simulated
-    measured = measure(
-        model, [m for _, m in blocks], batch, call.loss_fn, mp.dtype, names, traced_on
-    )
+    traced = [m for _, m in blocks]
+    measured = measure(model, traced, batch, call.loss_fn, mp.dtype, names, traced_on)
+    off = None if request.mixed_precision is not None else precision_off(mp, measured)
+    if off is not None:  # auto chose a precision the forward cannot run under: traced without
+        mp, mp_reason = off
+        measured = measure(model, traced, batch, call.loss_fn, None, names, traced_on)
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
     memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)

@@ -15,6 +15,7 @@ from _torch_release import SHAPE_ERROR_PREFIX
 from torch import nn
 
 import autoshard
+from autoshard.measure import facts
 
 LAUNCHER_VARS = (
     "RANK",
@@ -409,14 +410,15 @@ class MixesUnderAutocast(nn.Module):
     for real), then sums them into a fp32 buffer in place: under autocast the linear's output
     is bf16, and `index_add_` refuses to mix them (DBRX's experts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixes: bool = True) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+        self.mixes = mixes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.blocks[0](x)
         rows = (x[:, 0] > -1e9).nonzero().squeeze(1)  # every row
-        out = torch.zeros(x.shape[0], 8, device=x.device)
+        out = torch.zeros(x.shape[0], 8, device=x.device, dtype=None if self.mixes else h.dtype)
         return out.index_add_(0, rows, h[rows]).sum()
 
 
@@ -435,6 +437,42 @@ def test_a_forward_that_fails_only_under_autocast_is_not_blamed_on_the_batch() -
         model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="no"
     )
     assert plan.mixed_precision.value == "no"
+
+
+def test_auto_mixed_precision_a_forward_raises_under_is_turned_off_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asked for nothing, a user whose model cannot run under autocast trains it as written
+    (DBRX's experts on a GPU, where "auto" is bf16), told why; asked for bf16, they are refused
+    as above. Auto is bf16 on any CPU here."""
+    monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: True)
+    model = MixesUnderAutocast()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4, 8)
+    plan = autoshard.plan(model, optimizer, batch, world_size=2, device_memory="1GiB")
+    assert plan.mixed_precision.value == "no"
+    reason = next(r for r in plan.reasons if r.startswith("mixed precision"))
+    assert reason.startswith("mixed precision off (auto chose bf16)"), reason
+    assert "raises under autocast to bfloat16 (RuntimeError: index_add_()" in reason, reason
+    # measured without autocast (on real tensors: fake ones cannot run `nonzero`), as it trains
+    assert any("activations were measured on real tensors" in r for r in plan.reasons)
+    with pytest.raises(ValueError, match="raises under autocast to bfloat16"):
+        autoshard.plan(
+            model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="bf16"
+        )
+
+
+def test_auto_mixed_precision_that_the_forward_runs_under_stays_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: True)
+    model = MixesUnderAutocast(mixes=False)  # sums into a buffer of autocast's dtype
+    batch = torch.randn(4, 8)
+    plan = autoshard.plan(
+        model, torch.optim.AdamW(model.parameters()), batch, world_size=2, device_memory="1GiB"
+    )
+    assert plan.mixed_precision.value == "bf16"
+    assert any(r.startswith("mixed precision bf16 (auto)") for r in plan.reasons)
 
 
 class ReadsBack(nn.Module):

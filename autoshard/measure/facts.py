@@ -46,6 +46,8 @@ class Measured:
     trace_note: str
     user_error: str | None = None  # the batch or loss_fn does not fit the model
     by_values: bool = False  # measured on real tensors: it depends on the batch's values
+    # where user_error is that the forward raises under autocast alone: what it raised there
+    under_autocast: str | None = None
 
 
 def resolve_mixed_precision(
@@ -77,6 +79,20 @@ def resolve_mixed_precision(
     return Precision.FP16, (
         f"mixed precision fp16 (auto): CUDA capability {major}.{minor} has no bf16, so fp16 with a "
         f"gradient scaler (prepared.scaler)"
+    )
+
+
+def precision_off(chosen: Precision, measured: Measured) -> tuple[Precision, str] | None:
+    """Mixed precision off, and why, where the automatic choice `chosen` is one the model's
+    forward raises under (autocast; `measured` traced under it) and runs without: the model
+    trains as it is written rather than not at all. None where that is not so."""
+    if measured.under_autocast is None or chosen.dtype is None:
+        return None
+    name = str(chosen.dtype).removeprefix("torch.")
+    return Precision.NO, (
+        f"mixed precision off (auto chose {chosen}): the model's forward raises under autocast "
+        f"to {name} ({measured.under_autocast}) and runs without it (an operator of the model "
+        f"mixes dtypes autocast leaves apart); cast where it mixes them to train in {chosen}"
     )
 
 
@@ -178,7 +194,8 @@ def _measure(
             # on meta the "real" forward cannot give values either: it says nothing of the batch
             return Measured(None, "", _needs_real_values(model, error, real, batch))
         if real is not None and plain is None:  # it runs, but not under autocast
-            return Measured(None, "", _fails_under_autocast(real, dtype))
+            message = _fails_under_autocast(real, dtype)
+            return Measured(None, "", message, under_autocast=_first_line(real))
         if real is not None:  # the real forward fails too: the batch does not fit the model
             return Measured(None, "", _does_not_fit(real, batch))
         with autograd_on():
