@@ -3,13 +3,15 @@ given back to the fake step at the same place; numbers and places read both ways
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from autoshard.measure.answers import Recorder, agreed
-from autoshard.measure.fake import wider_fake_kernels
+from autoshard.measure.fake import fake_mode, wider_fake_kernels
 
 
 class _Branches(nn.Module):
@@ -154,3 +156,51 @@ def test_a_model_on_meta_that_draws_for_layer_drop_is_planned_as_one_that_does_n
     assert not any("could not be traced" in r for r in reasons)
     _, drawn = _planned_on_meta(0.5)  # the draw decides: traced as before, saying so
     assert any("could not be traced on fake tensors" in r for r in drawn)
+
+
+# A source of another dtype than its destination: refused on fake tensors as on real ones
+_INDEX = torch.arange(2)
+_WRITES = {
+    "index_add_": lambda a, b: a.index_add_(0, _INDEX, b),
+    "index_add": lambda a, b: torch.index_add(a, 0, _INDEX, b),
+    "index_copy_": lambda a, b: a.index_copy_(0, _INDEX, b),
+    "index_copy": lambda a, b: torch.index_copy(a, 0, _INDEX, b),
+    "index_reduce_": lambda a, b: a.index_reduce_(0, _INDEX, b, "amax"),
+    "index_put_": lambda a, b: a.index_put_((_INDEX,), b, accumulate=True),
+    "index_put": lambda a, b: torch.index_put(a, (_INDEX,), b),
+    "setitem": lambda a, b: a.__setitem__(_INDEX, b),
+    "setitem_0dim": lambda a, b: a.__setitem__(_INDEX, b[0, 0]),
+    "put_": lambda a, b: a.put_(_INDEX, b.flatten()[:2]),
+    "put": lambda a, b: torch.put(a, _INDEX, b.flatten()[:2]),
+}
+
+
+def _raises(write: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        write(a, b)
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce:UserWarning")  # "in beta"
+@pytest.mark.parametrize("name", list(_WRITES))
+@pytest.mark.parametrize(
+    "destination, source",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_fake_tensors_refuse_a_source_of_another_dtype_where_the_real_kernel_does(
+    name: str, destination: torch.dtype, source: torch.dtype
+) -> None:
+    write = _WRITES[name]
+    real = _raises(write, torch.zeros(3, 4, dtype=destination), torch.ones(2, 4, dtype=source))
+    assert real == (destination != source)  # what the fake mode must do
+    with fake_mode():
+        fake = _raises(write, torch.zeros(3, 4, dtype=destination), torch.ones(2, 4, dtype=source))
+    assert fake == real, (name, destination, source)

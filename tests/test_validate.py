@@ -462,6 +462,43 @@ def test_auto_mixed_precision_a_forward_raises_under_is_turned_off_not_refused(
         )
 
 
+class MixesInPlace(nn.Module):
+    """`MixesUnderAutocast` without the read-back: fake tensors run it, and `index_add_`'s fake
+    kernel takes the bf16 source that the real one refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], 8, device=x.device)
+        rows = torch.arange(x.shape[0], device=x.device)
+        return out.index_add_(0, rows, self.blocks[0](x)).sum()
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+def test_a_source_autocast_makes_another_dtype_is_found_on_fake_tensors(
+    on_meta: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the plan chose bf16 for it: `prepare`'s trial step then raised the real kernel's
+    error, and a what-if plan stood for a step that cannot run. Now auto turns mixed precision
+    off and explicit bf16 is refused by the plan, before anything is wrapped; on meta too, where
+    no real forward can tell (the step runs there without autocast)."""
+    monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: True)
+    with torch.device("meta" if on_meta else "cpu"):
+        model = MixesInPlace()
+        batch = torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    where = {"device": "cuda", "device_memory": "80GiB"} if on_meta else {"device_memory": "1GiB"}
+    plan = autoshard.plan(model, optimizer, batch, world_size=2, **where)
+    assert plan.mixed_precision.value == "no"
+    reason = next(r for r in plan.reasons if r.startswith("mixed precision"))
+    assert "raises under autocast to bfloat16" in reason and "index_add_()" in reason, reason
+    assert not any("not simulated" in r for r in plan.reasons), plan.reasons
+    with pytest.raises(ValueError, match="raises under autocast to bfloat16"):
+        autoshard.plan(model, optimizer, batch, world_size=2, mixed_precision="bf16", **where)
+
+
 def test_auto_mixed_precision_that_the_forward_runs_under_stays_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -33,10 +33,64 @@ from autoshard.measure.answers import READ_BACK, answering, decided_draws
 
 
 def fake_mode() -> Any:
-    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs, and answers
-    what a uniform draw compared with a bound outside its range reads back
-    (`answers.decided_draws`)."""
-    return decided_draws()(allow_non_fake_inputs=True)
+    """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs, answers what
+    a uniform draw compared with a bound outside its range reads back (`answers.decided_draws`),
+    and refuses a source of another dtype than its destination where every real kernel does
+    (`_SOURCE`)."""
+    return _mode()(allow_non_fake_inputs=True)
+
+
+aten = torch.ops.aten
+# Operators writing a source tensor into another (in place or into a copy) whose fake kernels
+# accept a source of another dtype, while the real ones refuse it, on every device (the checks
+# are in their device-generic code) and for a 0-dim source too: the source's position and name.
+# Under autocast an expert's bf16 output summed into an fp32 buffer (`index_add_`, DBRX) ran on
+# fake tensors; the plan chose bf16, and the trial step failed on it.
+_SOURCE = {
+    aten.index_add.default: (3, "source"),
+    aten.index_add_.default: (3, "source"),
+    aten.index_copy.default: (3, "source"),
+    aten.index_copy_.default: (3, "source"),
+    aten.index_reduce.default: (3, "source"),
+    aten.index_reduce_.default: (3, "source"),
+    aten.index_put.default: (2, "values"),
+    aten.index_put_.default: (2, "values"),
+    aten.put.default: (2, "source"),
+    aten.put_.default: (2, "source"),
+}
+
+
+@functools.cache
+def _mode() -> type:
+    class SourcesChecked(decided_draws()):  # type: ignore[misc]
+        def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in _SOURCE:
+                _same_dtype(func, args, kwargs or {})
+            return super().dispatch(func, types, args, kwargs)
+
+    return SourcesChecked
+
+
+class MixedSource(RuntimeError):
+    """A source of another dtype than its destination (`_SOURCE`), refused on fake tensors as
+    the real kernel refuses it."""
+
+
+def _same_dtype(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Raise as the real kernel of `func` does where its source's dtype is not its
+    destination's."""
+    position, name = _SOURCE[func]
+    source = args[position] if len(args) > position else kwargs.get(name)
+    if not (args and isinstance(source, torch.Tensor)) or source.dtype == args[0].dtype:
+        return
+    raise MixedSource(
+        f"{func.name().removeprefix('aten::')}(): self ({_short(args[0].dtype)}) and {name} "
+        f"({_short(source.dtype)}) must have the same dtype, as its real kernel checks"
+    )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @contextlib.contextmanager
