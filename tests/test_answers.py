@@ -158,35 +158,48 @@ def test_a_model_on_meta_that_draws_for_layer_drop_is_planned_as_one_that_does_n
     assert any("could not be traced on fake tensors" in r for r in drawn)
 
 
-# A source of another dtype than its destination: refused on fake tensors as on real ones
+# Two tensors of different dtypes: refused on fake tensors where the real kernel refuses them
+def _rows(dtype: torch.dtype) -> torch.Tensor:
+    return torch.ones(2, 4, dtype=dtype)
+
+
 _INDEX = torch.arange(2)
-_WRITES = {
-    "index_add_": lambda a, b: a.index_add_(0, _INDEX, b),
-    "index_add": lambda a, b: torch.index_add(a, 0, _INDEX, b),
-    "index_copy_": lambda a, b: a.index_copy_(0, _INDEX, b),
-    "index_copy": lambda a, b: torch.index_copy(a, 0, _INDEX, b),
-    "index_reduce_": lambda a, b: a.index_reduce_(0, _INDEX, b, "amax"),
-    "index_put_": lambda a, b: a.index_put_((_INDEX,), b, accumulate=True),
-    "index_put": lambda a, b: torch.index_put(a, (_INDEX,), b),
-    "setitem": lambda a, b: a.__setitem__(_INDEX, b),
-    "setitem_0dim": lambda a, b: a.__setitem__(_INDEX, b[0, 0]),
-    "put_": lambda a, b: a.put_(_INDEX, b.flatten()[:2]),
-    "put": lambda a, b: torch.put(a, _INDEX, b.flatten()[:2]),
+# name: the call, given a destination or left operand of one dtype and a source of another
+_MIXED = {
+    "index_add_": lambda a, b: a.index_add_(0, _INDEX, _rows(b)),
+    "index_add": lambda a, b: torch.index_add(a, 0, _INDEX, _rows(b)),
+    "index_copy_": lambda a, b: a.index_copy_(0, _INDEX, _rows(b)),
+    "index_copy": lambda a, b: torch.index_copy(a, 0, _INDEX, _rows(b)),
+    "index_reduce_": lambda a, b: a.index_reduce_(0, _INDEX, _rows(b), "amax"),
+    "index_put_": lambda a, b: a.index_put_((_INDEX,), _rows(b), accumulate=True),
+    "index_put": lambda a, b: torch.index_put(a, (_INDEX,), _rows(b)),
+    "setitem": lambda a, b: a.__setitem__(_INDEX, _rows(b)),
+    "setitem_0dim": lambda a, b: a.__setitem__(_INDEX, _rows(b)[0, 0]),
+    "put_": lambda a, b: a.put_(_INDEX, _rows(b)[0, :2]),
+    "put": lambda a, b: torch.put(a, _INDEX, _rows(b)[0, :2]),
+    "mm": lambda a, b: a @ torch.ones(4, 5, dtype=b),
+    "linear": lambda a, b: nn.functional.linear(a, torch.ones(5, 4, dtype=b)),
+    "linear_bias": lambda a, b: nn.functional.linear(
+        a, torch.ones(5, 4, dtype=b), torch.ones(5, dtype=b)
+    ),
+    "addmm": lambda a, b: torch.addmm(torch.ones(3, 5, dtype=b), a, torch.ones(4, 5, dtype=b)),
+    "mv": lambda a, b: torch.mv(a, torch.ones(4, dtype=b)),
+    "addmv": lambda a, b: torch.addmv(torch.ones(3, dtype=b), a, torch.ones(4, dtype=b)),
 }
 
 
-def _raises(write: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
+def _raises(call: Any, a: torch.dtype, b: torch.dtype) -> bool:
     try:
-        write(a, b)
+        call(torch.zeros(3, 4, dtype=a), b)
     except RuntimeError:
         return True
     return False
 
 
 @pytest.mark.filterwarnings("ignore:index_reduce:UserWarning")  # "in beta"
-@pytest.mark.parametrize("name", list(_WRITES))
+@pytest.mark.parametrize("name", list(_MIXED))
 @pytest.mark.parametrize(
-    "destination, source",
+    "a, b",
     [
         (torch.float32, torch.bfloat16),
         (torch.bfloat16, torch.float32),
@@ -195,12 +208,10 @@ def _raises(write: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
         (torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_fake_tensors_refuse_a_source_of_another_dtype_where_the_real_kernel_does(
-    name: str, destination: torch.dtype, source: torch.dtype
+def test_fake_tensors_refuse_two_dtypes_where_the_real_kernel_does(
+    name: str, a: torch.dtype, b: torch.dtype
 ) -> None:
-    write = _WRITES[name]
-    real = _raises(write, torch.zeros(3, 4, dtype=destination), torch.ones(2, 4, dtype=source))
-    assert real == (destination != source)  # what the fake mode must do
+    real = _raises(_MIXED[name], a, b)
+    assert real == (a != b)  # what the fake mode must do
     with fake_mode():
-        fake = _raises(write, torch.zeros(3, 4, dtype=destination), torch.ones(2, 4, dtype=source))
-    assert fake == real, (name, destination, source)
+        assert _raises(_MIXED[name], a, b) == real, (name, a, b)

@@ -98,3 +98,28 @@ def test_a_tracker_failure_alone_still_offers_the_candidate(
     assert {c.strategy for c in plan.candidates} >= {Strategy.DDP, Strategy.FULL_SHARD}
     assert not any(r.startswith("not offered") for r in plan.reasons), plan.reasons
     assert any("not simulated: DDP (RuntimeError: the tracker" in r for r in plan.reasons)
+
+
+class UpcastsForItsHead(Net):
+    """Its head takes the blocks' output in fp32 (`x.float()`): under autocast the linear casts
+    both to bf16, but FSDP2's bf16 parameters leave an fp32 input against a bf16 weight, which the
+    real matmul refuses and its fake kernel took."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.linear(x.float(), self.head.weight, self.head.bias).square().mean()
+
+
+def test_a_strategy_whose_parameters_dtype_meets_another_in_a_matmul_is_not_offered() -> None:
+    """Before, FSDP2 was simulated and offered (and chosen where DDP did not fit): its trial
+    step raised the real kernel's error."""
+    model = UpcastsForItsHead()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(512, 64)
+    plan = autoshard.plan(
+        model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="bf16"
+    )
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
+    note = next(r for r in plan.reasons if r.startswith("not offered"))
+    assert "FULL_SHARD (MixedDtypes: addmm(): mat1 (float32) and mat2 (bfloat16)" in note, note

@@ -25,7 +25,7 @@ from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure import cache
-from autoshard.measure.fake import MixedSource, attributes_kept, shallow_copy
+from autoshard.measure.fake import MixedDtypes, attributes_kept, shallow_copy
 from autoshard.measure.layout import SHALLOW, Layout, repeats
 from autoshard.measure.operators import first_unlike
 from autoshard.measure.priced import most_moving
@@ -178,7 +178,7 @@ def _measure(
                 # cannot meet the others made on `device`: traced on meta, as built
                 logger.debug("the trace on %s failed; traced on meta", device, exc_info=True)
                 profile = _profile(model, blocks, batch, loss_fn, dtype, names, None)
-                if dtype is not None and isinstance(error, MixedSource):
+                if dtype is not None and isinstance(error, MixedDtypes):
                     # on meta, where autocast does not apply, it ran: autocast mixed them
                     message = _fails_under_autocast(error, dtype)
                     return Measured(None, "", message, under_autocast=_first_line(error))

@@ -35,57 +35,61 @@ from autoshard.measure.answers import READ_BACK, answering, decided_draws
 def fake_mode() -> Any:
     """A FakeTensorMode that accepts real tensors (parameters, batches) as inputs, answers what
     a uniform draw compared with a bound outside its range reads back (`answers.decided_draws`),
-    and refuses a source of another dtype than its destination where every real kernel does
-    (`_SOURCE`)."""
+    and refuses tensors of two dtypes where every real kernel does (`_SAME_DTYPE`)."""
     return _mode()(allow_non_fake_inputs=True)
 
 
 aten = torch.ops.aten
-# Operators writing a source tensor into another (in place or into a copy) whose fake kernels
-# accept a source of another dtype, while the real ones refuse it, on every device (the checks
-# are in their device-generic code) and for a 0-dim source too: the source's position and name.
-# Under autocast an expert's bf16 output summed into an fp32 buffer (`index_add_`, DBRX) ran on
-# fake tensors; the plan chose bf16, and the trial step failed on it.
-_SOURCE = {
-    aten.index_add.default: (3, "source"),
-    aten.index_add_.default: (3, "source"),
-    aten.index_copy.default: (3, "source"),
-    aten.index_copy_.default: (3, "source"),
-    aten.index_reduce.default: (3, "source"),
-    aten.index_reduce_.default: (3, "source"),
-    aten.index_put.default: (2, "values"),
-    aten.index_put_.default: (2, "values"),
-    aten.put.default: (2, "source"),
-    aten.put_.default: (2, "source"),
+# Operators whose fake kernels take two tensors of different dtypes that their real kernels
+# refuse, on every device (the checks are in device-generic code, or in each device's kernel
+# alike) and for a 0-dim source too: the two arguments' positions and names. Under autocast a
+# bf16 expert output summed into an fp32 buffer in place (`index_add_`, DBRX) ran on fake
+# tensors: the plan chose bf16, and the trial step failed on it. Under FSDP2's bf16 parameters
+# a forward that upcasts an activation before a linear (`F.linear(x.float(), weight)`) did too.
+_SAME_DTYPE = {
+    aten.index_add.default: ((0, "self"), (3, "source")),
+    aten.index_add_.default: ((0, "self"), (3, "source")),
+    aten.index_copy.default: ((0, "self"), (3, "source")),
+    aten.index_copy_.default: ((0, "self"), (3, "source")),
+    aten.index_reduce.default: ((0, "self"), (3, "source")),
+    aten.index_reduce_.default: ((0, "self"), (3, "source")),
+    aten.index_put.default: ((0, "self"), (2, "values")),
+    aten.index_put_.default: ((0, "self"), (2, "values")),
+    aten.put.default: ((0, "self"), (2, "source")),
+    aten.put_.default: ((0, "self"), (2, "source")),
+    aten.mm.default: ((0, "self"), (1, "mat2")),
+    aten.addmm.default: ((1, "mat1"), (2, "mat2")),
+    aten.mv.default: ((0, "self"), (1, "vec")),
+    aten.addmv.default: ((1, "mat"), (2, "vec")),
 }
 
 
 @functools.cache
 def _mode() -> type:
-    class SourcesChecked(decided_draws()):  # type: ignore[misc]
+    class DtypesChecked(decided_draws()):  # type: ignore[misc]
         def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func in _SOURCE:
+            if func in _SAME_DTYPE:
                 _same_dtype(func, args, kwargs or {})
             return super().dispatch(func, types, args, kwargs)
 
-    return SourcesChecked
+    return DtypesChecked
 
 
-class MixedSource(RuntimeError):
-    """A source of another dtype than its destination (`_SOURCE`), refused on fake tensors as
-    the real kernel refuses it."""
+class MixedDtypes(RuntimeError):
+    """Two tensors of different dtypes that an operator's real kernel refuses (`_SAME_DTYPE`),
+    refused on fake tensors too."""
 
 
 def _same_dtype(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """Raise as the real kernel of `func` does where its source's dtype is not its
-    destination's."""
-    position, name = _SOURCE[func]
-    source = args[position] if len(args) > position else kwargs.get(name)
-    if not (args and isinstance(source, torch.Tensor)) or source.dtype == args[0].dtype:
+    """Raise as the real kernel of `func` does where its two tensors' dtypes differ."""
+    (i, first), (j, second) = _SAME_DTYPE[func]
+    a = args[i] if len(args) > i else kwargs.get(first)
+    b = args[j] if len(args) > j else kwargs.get(second)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype == b.dtype:
         return
-    raise MixedSource(
-        f"{func.name().removeprefix('aten::')}(): self ({_short(args[0].dtype)}) and {name} "
-        f"({_short(source.dtype)}) must have the same dtype, as its real kernel checks"
+    raise MixedDtypes(
+        f"{func.name().removeprefix('aten::')}(): {first} ({_short(a.dtype)}) and {second} "
+        f"({_short(b.dtype)}) must have the same dtype, as its real kernel checks"
     )
 
 
