@@ -390,7 +390,10 @@ def test_a_worker_takes_the_caller_s_default_dtype(monkeypatch: pytest.MonkeyPat
     others."""
     torch.set_default_dtype(torch.float64)
     try:
-        alone, _, shared, note = _shared_out(_Scratch().float(), torch.randn(32, 16), monkeypatch)
+        # an fp32 model and batch: only what its forward allocates takes the default dtype (a
+        # float64 batch would meet the fp32 weights in a matmul, which real kernels refuse)
+        batch = torch.randn(32, 16, dtype=torch.float32)
+        alone, _, shared, note = _shared_out(_Scratch().float(), batch, monkeypatch)
     finally:
         torch.set_default_dtype(torch.float32)
     assert shared == alone
