@@ -67,6 +67,7 @@ from autoshard.measure.fake import caches_emptied, simulated_on
 from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.rates import with_model_rate
 from autoshard.measure.simulated import with_simulation
+from autoshard.strategies.engines import layer_drop
 from autoshard.strategies.recipes import Engine, Job, available, recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -150,8 +151,15 @@ def _run(call: Call, target: Target) -> tuple[Decision, Work]:
             f"{len(unused)} trainable parameter(s) got no gradient in the traced step (e.g. "
             f"'{unused[0]}'): under DDP, find_unused_parameters=True"
         )
+    drop = layer_drop(call.model)
+    if drop is not None and target.world_size > 1:
+        reasons.append(
+            f"{drop}: LayerDrop skips layers at random in training, leaving their parameters "
+            f"without a gradient in some steps on some ranks: under DDP, "
+            f"find_unused_parameters=True"
+        )
     try:
-        decision = _decide(call, gathered, reports, target, reasons, unused)
+        decision = _decide(call, gathered, reports, target, reasons, unused, drop)
     except DoesNotFit as error:
         if not error.tried or target.probe:
             raise
@@ -218,13 +226,16 @@ def _decide(
     target: Target,
     reasons: list[str],
     unused: tuple[str, ...],
+    drop: str | None,
 ) -> Decision:
     """Simulate and decide from the agreed reports (the same on every rank)."""
     request = gathered.work.request
     inputs, strategies, job, num_nodes = _simulated(gathered, reports, target, reasons)
     forced_ac = forced_checkpointing(request, inputs.num_blocks)
     plan = replace(
-        decide(inputs, strategies, request.strategy, forced_ac), unused_parameters=unused
+        decide(inputs, strategies, request.strategy, forced_ac),
+        unused_parameters=unused,
+        layer_drop=drop,
     )
     if job.own_group and recipe(plan.strategy).engine is not Engine.NONE and not target.in_job:
         plan = replace(plan, reasons=(*plan.reasons, own_group_note(str(plan.strategy))))
@@ -233,7 +244,7 @@ def _decide(
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
     names = tuple(n for n, _ in gathered.blocks)
-    return Decision(plan, first, tuple(rungs), names, bool(unused), num_nodes)
+    return Decision(plan, first, tuple(rungs), names, plan.find_unused_parameters, num_nodes)
 
 
 def _simulated(

@@ -81,6 +81,7 @@ PLAN_KEYS = {
     "candidates",
     "attempts",
     "unused_parameters",
+    "layer_drop",
     "reasons",
 }
 CANDIDATE_KEYS = {

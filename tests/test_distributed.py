@@ -386,6 +386,15 @@ def test_ddp_finds_parameters_that_get_no_gradient(decide: Launch) -> None:
         assert r["losses"][-1] < r["losses"][0], r  # trains past the second step
 
 
+def test_ddp_looks_for_unused_parameters_where_the_model_drops_layers(decide: Launch) -> None:
+    for r in decide.case("ddp_with_layer_drop"):
+        assert r["unused_parameters"] == [], r  # the traced step used every layer
+        assert r["layer_drop"] == "'layerdrop' is 0.1", r
+        assert r["find_unused_parameters"] is True, r
+        assert len(r["reasons"]) == 1 and "find_unused_parameters=True" in r["reasons"][0], r
+        assert len(r["losses"]) == 3, r  # trained past the steps that skip a layer
+
+
 @pytest.mark.parametrize(
     ("case", "field"),
     [

@@ -272,3 +272,43 @@ def test_trial_step_accumulates_gradients_as_planned(hf: Launch, strategy: str) 
         # the estimate alone in 2 of the 4 runs seen.
         bound = r["estimated"] + r["reserve"]
         assert r["measured"] <= bound, (r["measured"], r["estimated"], r["reserve"])
+
+
+def test_layer_drop_is_found_where_a_model_keeps_a_probability_above_zero() -> None:
+    """M2M100 skips each layer with probability 0.05 in training (its default); Whisper keeps
+    0.0, Llama none: only the first needs DDP's search for unused parameters every step."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        M2M100Config,
+        M2M100ForConditionalGeneration,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    from autoshard.strategies.engines import layer_drop
+
+    tokens = {"vocab_size": 128, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+    seq2seq = {
+        **tokens,
+        "decoder_start_token_id": 2,
+        "d_model": 32,
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+    }
+    m2m = M2M100ForConditionalGeneration(M2M100Config(**seq2seq))
+    assert layer_drop(m2m) == "'model.encoder.layerdrop' is 0.05"
+    m2m.config.encoder_layerdrop = 0.0  # read from the modules, which keep their own
+    assert layer_drop(m2m) == "'model.encoder.layerdrop' is 0.05"
+    m2m.model.encoder.layerdrop = m2m.model.decoder.layerdrop = 0.0
+    assert layer_drop(m2m) is None
+    whisper = WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=16)
+    assert layer_drop(WhisperForConditionalGeneration(whisper)) is None
+    llama = LlamaConfig(
+        **tokens, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    assert layer_drop(LlamaForCausalLM(llama)) is None

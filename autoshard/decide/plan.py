@@ -137,6 +137,16 @@ class Plan:
     # Trainable parameters that got no gradient in the traced step: DDP must then look for them
     # every step (find_unused_parameters=True), or it fails on the second step.
     unused_parameters: tuple[str, ...] = field(default=())
+    # Where the model skips layers at random in training (LayerDrop: "'encoder.layerdrop' is
+    # 0.05"), leaving their parameters without a gradient in some steps whatever the traced one
+    # did: DDP must look for unused parameters every step too.
+    layer_drop: str | None = field(default=None)
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Whether DDP must look for parameters without a gradient every step
+        (`DistributedDataParallel(find_unused_parameters=...)`), as `prepare` builds it."""
+        return bool(self.unused_parameters) or self.layer_drop is not None
 
     @property
     def max_batch(self) -> int | None:

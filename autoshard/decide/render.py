@@ -167,5 +167,6 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             for a in plan.attempts
         ],
         "unused_parameters": list(plan.unused_parameters),
+        "layer_drop": plan.layer_drop,
         "reasons": list(plan.reasons),
     }

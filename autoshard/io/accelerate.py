@@ -49,7 +49,8 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
           below the plan's (not always: the recompute peak can grow with the count).
         - DDP: `kwargs_handlers` with `DistributedDataParallelKwargs(gradient_as_bucket_view=True,
           find_unused_parameters=...)`, the latter True when the traced step left trainable
-          parameters without a gradient (`plan.unused_parameters`). accelerate has no activation
+          parameters without a gradient (`plan.unused_parameters`) or the model drops layers at
+          random (`plan.layer_drop`): `plan.find_unused_parameters`. accelerate has no activation
           checkpointing outside FSDP: a DDP plan that checkpoints blocks warns instead.
         - LOCAL (one process): nothing else.
         - `cpu=True` where there is no CUDA device: without it accelerate 1.x treats each process
@@ -137,11 +138,11 @@ def ddp_kwargs(plan: Plan) -> Any:
     """accelerate's DDP settings for a DDP plan, as `prepare` builds its DDP
     (autoshard/wrap/apply.py): gradients as views into the all-reduce buckets (one copy of the
     gradients fewer), and the per-step search for unused parameters only when the trace found
-    some."""
+    some or the model drops layers at random."""
     from accelerate.utils import DistributedDataParallelKwargs
 
     return DistributedDataParallelKwargs(
-        find_unused_parameters=bool(plan.unused_parameters), gradient_as_bucket_view=True
+        find_unused_parameters=plan.find_unused_parameters, gradient_as_bucket_view=True
     )
 
 

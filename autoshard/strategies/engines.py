@@ -165,13 +165,35 @@ def set_unit_resharding(module: nn.Module, reshard_after_forward: bool) -> None:
             sub.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
+def layer_drop(model: nn.Module) -> str | None:
+    """Where `model` skips whole layers at random in training (LayerDrop, Fan et al. 2019: an
+    attribute named `layerdrop`, `encoder_layerdrop`, `layer_drop`, ... holding a probability
+    above 0, as transformers' M2M100, NLLB-MoE, SpeechT5, Wav2Vec2 and Informer and fairseq keep
+    it), said as "'encoder.layerdrop' is 0.05"; None where it does not. A step then leaves the
+    skipped layers' parameters without a gradient, on some ranks and not others, whatever the
+    traced step did: DDP must look for unused parameters every step, or it fails at the first
+    step that skips one. Read whether or not the model is in training mode now (a model loaded
+    by `from_pretrained` is in eval mode until the loop calls `train()`)."""
+    for name, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if (
+                "layerdrop" in attribute.replace("_", "").lower()
+                and isinstance(value, float)
+                and 0 < value <= 1
+            ):
+                where = f"{name}.{attribute}" if name else attribute
+                return f"'{where}' is {value}"
+    return None
+
+
 def make_ddp(module: nn.Module, device: torch.device, find_unused: bool) -> nn.Module:
     """`DistributedDataParallel` as autoshard builds it."""
     device_ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view: gradients are views into the all-reduce buckets, saving one full
     # copy of the gradients (DESIGN.md section 3 measured that copy on gloo).
     # find_unused_parameters costs a graph walk every step: only when the trace found
-    # parameters without a gradient, which otherwise make DDP fail on the second step.
+    # parameters without a gradient, which otherwise make DDP fail on the second step, or the
+    # model drops layers at random (`layer_drop`).
     return nn.parallel.DistributedDataParallel(
         module,
         device_ids=device_ids,

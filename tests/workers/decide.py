@@ -302,27 +302,81 @@ class _WithUnusedHead(nn.Module):
         return x
 
 
-@cases.case
-def ddp_with_parameters_that_get_no_gradient() -> dict[str, Any]:
-    """Plain DDP fails on the second step when a parameter gets no gradient; the trace finds
-    such parameters and DDP is built with find_unused_parameters."""
+def _prepared_ddp(
+    model_class: type[nn.Module],
+) -> tuple[nn.Module, torch.optim.Optimizer, autoshard.Plan, torch.Tensor]:
+    """A model of `model_class` prepared under DDP, fp32: the wrapped model, its optimizer, the
+    plan and the batch."""
     torch.manual_seed(0)
-    model = _WithUnusedHead()
+    model = model_class()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = torch.randn(8, WIDTH)
     wrapped, optimizer, plan = autoshard.prepare(
         model, optimizer, batch, strategy="ddp", mixed_precision="no"
     )
+    return wrapped, optimizer, plan, batch
+
+
+def _own_steps(
+    wrapped: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor
+) -> list[float]:
+    """Three of the user's own steps after `prepare`: their losses."""
     losses = []
-    for _ in range(3):  # the trial already ran two steps; three more of the user's own
+    for _ in range(3):
         loss = wrapped(batch).pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    return losses
+
+
+@cases.case
+def ddp_with_parameters_that_get_no_gradient() -> dict[str, Any]:
+    """Plain DDP fails on the second step when a parameter gets no gradient; the trace finds
+    such parameters and DDP is built with find_unused_parameters."""
+    wrapped, optimizer, plan, batch = _prepared_ddp(_WithUnusedHead)
+    losses = _own_steps(wrapped, optimizer, batch)  # the trial already ran two
     return {
         "find_unused_parameters": bool(wrapped.find_unused_parameters),
         "reasons": [r for r in plan.reasons if "no gradient" in r],
+        "losses": losses,
+    }
+
+
+class _LayerDrop(nn.Module):
+    """LayerDrop as transformers' M2M100 and SpeechT5 keep it (`self.layerdrop`, a probability):
+    which layers a step skips is drawn anew every step, on each rank apart. Here the draw is
+    replaced by a choice the case makes after `prepare` (`skips_on`: the rank whose steps skip
+    block 1), so that the traced and trial steps use every block and the user's steps do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.layerdrop = 0.1
+        self.skips_on: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == 1 and self.skips_on == rank():
+                continue  # dropped this step
+            x = torch.tanh(block(x))
+        return x
+
+
+@cases.case
+def ddp_with_layer_drop() -> dict[str, Any]:
+    """Every parameter got a gradient in the traced step; the user's steps then skip a layer on
+    one rank: DDP without find_unused_parameters fails there (the other rank's all-reduce of
+    that layer's gradients waits for one that never comes)."""
+    wrapped, optimizer, plan, batch = _prepared_ddp(_LayerDrop)
+    wrapped.module.skips_on = 1
+    losses = _own_steps(wrapped, optimizer, batch)
+    return {
+        "find_unused_parameters": bool(wrapped.find_unused_parameters),
+        "unused_parameters": list(plan.unused_parameters),
+        "layer_drop": plan.layer_drop,
+        "reasons": [r for r in plan.reasons if "LayerDrop" in r],
         "losses": losses,
     }
 
