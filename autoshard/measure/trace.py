@@ -234,18 +234,29 @@ def profile_scaled(
     """The profile of `batch` measured on real tensors, for a step fake tensors cannot run (an
     operation with data-dependent output, say): at one and two rows of the batch, every figure
     extended linearly to its full rows (activations and FLOPs are a constant plus a per-row
-    term). A batch of at most two rows runs as it is. Returns the profile and how it was made.
+    term). A batch of at most two rows runs as it is, and so does one whose first rows do not
+    run apart (a packed multimodal batch: Qwen2-VL's image patches of every row in one tensor,
+    whose rows are not the batch's, cut with the image sizes and no longer matching them).
+    Returns the profile and how it was made.
 
-    Real memory used: one step's activations at two rows, not at the full batch."""
+    Real memory used: one step's activations at two rows, or at the whole batch where its rows
+    do not run apart."""
     rows = leading_rows(batch)
     if rows is None or rows <= 2:
         return profile_step(model, blocks, batch, loss_fn, autocast_dtype, real=True), (
             "measured on real tensors"
         )
-    one, two = (
-        profile_step(model, blocks, first_rows(batch, rows, n), loss_fn, autocast_dtype, True)
-        for n in (1, 2)
-    )
+    try:
+        one, two = (
+            profile_step(model, blocks, first_rows(batch, rows, n), loss_fn, autocast_dtype, True)
+            for n in (1, 2)
+        )
+    except Exception as error:  # noqa: BLE001 - the whole batch runs, or its error is raised
+        whole = profile_step(model, blocks, batch, loss_fn, autocast_dtype, real=True)
+        return whole, (
+            f"measured on real tensors at the whole batch (cut to its first rows it did not "
+            f"run: {type(error).__name__}: {str(error)[:120]})"
+        )
 
     def line(a: int, b: int) -> int:
         return max(0, a + (rows - 1) * (b - a))
