@@ -121,6 +121,31 @@ def test_sequential_of_same_class_blocks() -> None:
     assert names(Model()) == ["trunk.0", "trunk.1", "trunk.2"]
 
 
+def test_a_list_of_lists_has_the_layers_inside_as_blocks() -> None:
+    """Funnel-Transformer keeps its layers in stages, a ModuleList of ModuleLists. Before, the
+    stages were the blocks: FSDP2 refuses a container without forward, and every sharded
+    strategy was "not offered, as its step fails"."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.ModuleList([Layer(), Layer()]) for _ in range(3)])
+            self.head = nn.Linear(8, 2)
+
+    assert names(Model()) == [f"stages.{i}.{j}" for i in range(3) for j in range(2)]
+
+
+def test_a_sequential_of_sequential_stages_keeps_the_stages_as_blocks() -> None:
+    """A Sequential has a forward: its stages stay the blocks, as before."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = nn.Sequential(*[nn.Sequential(Layer(), Layer()) for _ in range(3)])
+
+    assert names(Model()) == ["trunk.0", "trunk.1", "trunk.2"]
+
+
 def test_of_two_candidate_lists_the_larger_by_parameter_count_wins() -> None:
     # `many` has more children, `wide` more parameters: parameters decide, whatever the order.
     many_numel = 6 * (4 * 4 + 4)

@@ -70,10 +70,14 @@ def _numel(module: nn.Module) -> int:
 def _members(container: nn.Module, name: str) -> Blocks:
     """The children of a ModuleList/Sequential that are blocks: all of them when they share one
     class; in a list of several classes, those of a class that repeats and that are layers of
-    their own (a Sequential of Linear and activation layers is an MLP, not a list of blocks)."""
+    their own (a Sequential of Linear and activation layers is an MLP, not a list of blocks).
+    None of a list of lists (Funnel-Transformer's stages of layers): a ModuleList has no
+    forward, which FSDP2 and checkpointing wrap; the lists inside are each a list of blocks."""
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         return []
     children = list(container.named_children())
+    if any(isinstance(child, (nn.ModuleList, nn.ModuleDict)) for _, child in children):
+        return []
     prefix = f"{name}." if name else ""  # the model itself may be the container
     counts = Counter(type(child) for _, child in children)
     if len(counts) == 1:
