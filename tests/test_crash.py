@@ -45,11 +45,17 @@ class Net(nn.Module):
         return self.head(x).square().mean()
 
 
-def _plan(model: nn.Module, **kwargs: object) -> autoshard.Plan:
+def _plan(model: nn.Module, mixed_precision: str = "no", **kwargs: object) -> autoshard.Plan:
     optimizer = torch.optim.AdamW(model.parameters())
     batch = torch.randn(512, 64)
     return autoshard.plan(
-        model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="no", **kwargs
+        model,
+        optimizer,
+        batch,
+        world_size=2,
+        device_memory="1GiB",
+        mixed_precision=mixed_precision,
+        **kwargs,
     )
 
 
@@ -115,11 +121,10 @@ def test_a_strategy_whose_parameters_dtype_meets_another_in_a_matmul_is_not_offe
     """Before, FSDP2 was simulated and offered (and chosen where DDP did not fit): its trial
     step raised the real kernel's error."""
     model = UpcastsForItsHead()
-    optimizer = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(512, 64)
-    plan = autoshard.plan(
-        model, optimizer, batch, world_size=2, device_memory="1GiB", mixed_precision="bf16"
-    )
+    plan = _plan(model, mixed_precision="bf16")
     assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
     note = next(r for r in plan.reasons if r.startswith("not offered"))
     assert "FULL_SHARD (MixedDtypes: addmm(): mat1 (float32) and mat2 (bfloat16)" in note, note
+    forced = "strategy FULL_SHARD was forced.*activation_checkpointing, mixed_precision='no', or"
+    with pytest.raises(RuntimeError, match=forced):
+        _plan(model, mixed_precision="bf16", strategy="full_shard")

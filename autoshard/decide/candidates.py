@@ -12,6 +12,7 @@ from autoshard.decide.crashes import candidate_crash, not_offered_note
 from autoshard.decide.estimate import estimate, host_bytes
 from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
+from autoshard.decide.precision import Precision
 from autoshard.strategies.recipes import Job, available, recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -159,10 +160,16 @@ def decide(
     for strategy in strategies:
         error = crash(inputs, strategy, forced_ac or 0)
         if error is not None and forced_strategy is not None:
+            # two dtypes a kernel refuses (measure.fake.MixedDtypes): mixed precision made them
+            precision = (
+                ", mixed_precision='no'"
+                if "MixedDtypes" in error and inputs.mixed_precision is not Precision.NO
+                else ""
+            )
             raise RuntimeError(
                 f"strategy {strategy} was forced, but its step with {forced_ac or 0} block(s) "
                 f"checkpointed fails in the planning simulation ({error}); choose another "
-                f"strategy or activation_checkpointing, or 'auto'"
+                f"strategy or activation_checkpointing{precision}, or 'auto'"
             )
         if error is not None:
             continue
