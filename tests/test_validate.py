@@ -556,6 +556,41 @@ def test_a_meta_model_whose_forward_reads_values_is_not_blamed_on_the_batch() ->
     assert any("measured on real tensors" in r for r in plan.reasons), plan.reasons
 
 
+class FailsOnFakeThenReadsBack(nn.Module):
+    """A forward whose fake run fails for a reason of its own (switch_transformers casts a module
+    in place, which fake parameters refuse) before it reads values back (`.item()` through a
+    condition, or `.tolist()`): the meta forward then fails on the read-back, which says nothing
+    of the batch either."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(x):
+            raise RuntimeError("a step only fake tensors fail")
+        h = self.blocks[0](x)
+        if self.read == "item":
+            return h * 2 if h.sum() > 0 else h
+        return h * len(h[:, 0].tolist())
+
+
+@pytest.mark.parametrize("read", ["item", "tolist"])
+def test_a_meta_forward_that_asks_for_values_is_not_blamed_on_the_batch(read: str) -> None:
+    """Before: 'example_batch does not fit the model' (Tensor.item() cannot be called on meta
+    tensors), for DeepSeek-V2, Reformer and Switch Transformers planned on meta."""
+    with torch.device("meta"):
+        model = FailsOnFakeThenReadsBack(read)
+    batch = torch.randn(4, 8, device="meta")
+    with pytest.raises(ValueError, match="the model is on the meta device, where its forward"):
+        autoshard.plan(
+            model, torch.optim.AdamW(model.parameters()), batch, world_size=2, device_memory="1GiB"
+        )
+
+
 def test_the_simulation_leaves_no_rank_prefix_on_later_tracebacks() -> None:
     # init_process_group, even of the fake group the simulation uses, installs an excepthook
     # that prefixes every traceback line of the process with "[rank0]:"

@@ -4,6 +4,7 @@ gathered into the `PlanInputs` that `candidates.decide` takes."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -194,7 +195,8 @@ def _measure(
         with attributes_kept(model):  # what its forward caches on the model is put back
             real = forward_error(model, batch, dtype)
             plain = real if real is None or dtype is None else forward_error(model, batch, None)
-        if real is not None and _on_meta(model, batch) and needs_real_values(error):
+        values = needs_real_values(error) or (real is not None and _asks_meta_for_values(real))
+        if real is not None and _on_meta(model, batch) and values:
             # on meta the "real" forward cannot give values either: it says nothing of the batch
             return Measured(None, "", _needs_real_values(model, error, real, batch))
         if real is not None and plain is None:  # it runs, but not under autocast
@@ -322,6 +324,17 @@ def _shapes(batch: Any) -> str:
     return ", ".join(
         f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_in(batch)
     )
+
+
+# What torch raises where a forward on meta tensors asks them for values: `.item()` and Python
+# conditions ("Tensor.item() cannot be called on meta tensors"), `.tolist()` ("Cannot copy out of
+# meta tensor"), `repeat_interleave` ("a meta tensor"), `nonzero` ("The register_meta
+# function"), `masked_select` ("with Meta tensors"), numpy ("meta device type tensor")
+_META_VALUES = re.compile(r"meta (device type )?tensor|register_meta", re.IGNORECASE)
+
+
+def _asks_meta_for_values(error: Exception) -> bool:
+    return _META_VALUES.search(str(error)) is not None
 
 
 def _needs_real_values(
