@@ -121,6 +121,11 @@ SYMBOLS: dict[str, Symbol] = {
     "_is_mkldnn_bf16_supported": Symbol(
         "torch:ops.mkldnn._is_mkldnn_bf16_supported", "choosing bf16 or fp16 on CPU"
     ),
+    # Graceful where absent: batch norm's outputs laid out as the real kernel's where it runs
+    # through native_batch_norm alone.
+    "_native_batch_norm_legit": Symbol(
+        "torch:ops.aten._native_batch_norm_legit", "batch norm's output strides in the trace"
+    ),
     "_BatchNorm": Symbol(
         "torch.nn.modules.batchnorm:_BatchNorm", "keeping batch norm in fp32 under FSDP2"
     ),

@@ -28,6 +28,8 @@ from autoshard._torch_compat import (
     grouped_mm_output,
     keep_children,
     missing,
+    op_overload,
+    resolve,
 )
 from autoshard.measure.answers import READ_BACK, answering, decided_draws
 
@@ -156,15 +158,24 @@ NORMS = frozenset(
 # Given fp32 statistics, group norm's fake backward gives the input's gradient in fp32; the CPU
 # kernel gives it in the input's dtype.
 GROUP_NORM_BACKWARD = aten.native_group_norm_backward.default
+# Batch norm's forwards, (output, mean, inverse std) alike: the CPU kernel lays the output out in
+# the input's suggested memory format, the fake one in the input's strides
+# (`_in_suggested_format`). A step traced through `functional_call` reaches the legit ones.
+_LEGIT = op_overload("_native_batch_norm_legit")
+BATCH_NORMS = frozenset(
+    {aten.native_batch_norm.default}
+    | ({_LEGIT, resolve("_native_batch_norm_legit").no_stats} if _LEGIT is not None else set())
+)
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
 class MixedNormStats(TorchDispatchMode):
     """Makes the fake results of `NORMS` and `GROUP_NORM_BACKWARD` on CPU take the real kernels'
-    dtypes. Without it a ResNet under bf16 autocast was simulated 2 bytes per channel and
-    statistic short for each batch norm its backward had not reached (1,984 B at its peak,
-    whatever the batch), transformers' BERT 4 bytes per token for each layer norm, enough to
-    report a largest batch one row too large. Enter it before (below) the memory tracker: the
+    dtypes, and those of `BATCH_NORMS` their layout (`_in_suggested_format`). Without the
+    dtypes a ResNet under bf16 autocast was simulated 2 bytes per channel and statistic short for
+    each batch norm its backward had not reached (1,984 B at its peak, whatever the batch),
+    transformers' BERT 4 bytes per token for each layer norm, enough to report a largest batch
+    one row too large. Enter it before (below) the memory tracker: the
     tracker sees the corrected results, and not the conversions made here.
 
     With `cuda_layer_norm` (a plan for GPUs simulated on CPU tensors), layer norm's statistics
@@ -179,7 +190,7 @@ class MixedNormStats(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func not in NORMS and func is not GROUP_NORM_BACKWARD:
+        if func not in NORMS and func is not GROUP_NORM_BACKWARD and func not in BATCH_NORMS:
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns it into the local call, which comes back
@@ -190,14 +201,36 @@ class MixedNormStats(TorchDispatchMode):
             if grad_input is None or not _mixed_on_cpu(input, args[2:4]):
                 return result
             return (grad_input.to(input.dtype), *rest)
-        if self.cuda_layer_norm and func is aten.native_layer_norm.default:
+        if func not in NORMS:
+            fp32_stats = False  # a batch norm reached another way: its layout alone
+        elif self.cuda_layer_norm and func is aten.native_layer_norm.default:
             fp32_stats = _reduced_on_cpu(args[0])
         else:
             fp32_stats = _mixed_on_cpu(args[0], (*args[1:], *kwargs.values()))
-        if not fp32_stats:
-            return result
         output, *stats = result
-        return (output, *(s.to(torch.float32) for s in stats))
+        if func in BATCH_NORMS:
+            output = _in_suggested_format(output, args[0])
+        if fp32_stats:
+            stats = [s.to(torch.float32) for s in stats]
+        return (output, *stats)
+
+
+def _in_suggested_format(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """Batch norm's output laid out as the CPU kernel lays it out: in the input's suggested
+    memory format (channels-last where a 4-D or 5-D input is, else contiguous), where the fake
+    kernel keeps the input's strides. A batch norm over a transposed sequence (PatchTST's,
+    `BatchNorm1d` on (batch, features, time)) gave a contiguous tensor once transposed back on
+    fake tensors, and a strided one for real, which each next linear copies and saves: the
+    trace saw 65,536 B a block fewer than the real step (-6% to -7% on 2 gloo ranks)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    layout = formats.get(input.dim(), torch.contiguous_format)
+    if layout is not torch.contiguous_format and (
+        input.is_contiguous() or not input.is_contiguous(memory_format=layout)
+    ):
+        layout = torch.contiguous_format
+    if output.is_contiguous(memory_format=layout):
+        return output
+    return output.contiguous(memory_format=layout)
 
 
 def _mixed_on_cpu(input: Any, others: Any) -> bool:
