@@ -175,8 +175,8 @@ class MixedNormStats(TorchDispatchMode):
     dtypes a ResNet under bf16 autocast was simulated 2 bytes per channel and statistic short for
     each batch norm its backward had not reached (1,984 B at its peak, whatever the batch),
     transformers' BERT 4 bytes per token for each layer norm, enough to report a largest batch
-    one row too large. Enter it before (below) the memory tracker: the
-    tracker sees the corrected results, and not the conversions made here.
+    one row too large. Enter it before (below) the memory tracker: the tracker sees the
+    corrected results, and not the conversions made here.
 
     With `cuda_layer_norm` (a plan for GPUs simulated on CPU tensors), layer norm's statistics
     are CUDA's instead: fp32 (its accumulation type) for every bf16/fp16 input, whatever its
