@@ -146,7 +146,6 @@ def _grouped_mm_any_dtype(
     return grouped_mm_output(fake_mode, mat_a, mat_b, offs, out_dtype)
 
 
-aten = torch.ops.aten
 # Normalisations whose CPU kernel keeps the statistics it saves for backward (mean and inverse
 # standard deviation) in fp32 where a bf16/fp16 input meets an fp32 weight, bias or running
 # statistic (autocast leaves a norm's parameters in fp32), while torch's fake kernel casts them to
