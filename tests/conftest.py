@@ -9,9 +9,12 @@ once, not once per worker that draws one of its tests."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 # autoshard's on-disk cache of fake steps (measure/cache.py) is off for the suite and every
 # process it starts: a test that plans the same model twice, changing what it measures in
@@ -48,3 +51,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real gloo process group of this process alone, destroyed afterwards."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -128,3 +128,93 @@ def test_a_strategy_whose_parameters_dtype_meets_another_in_a_matmul_is_not_offe
     forced = "strategy FULL_SHARD was forced.*activation_checkpointing, mixed_precision='no', or"
     with pytest.raises(RuntimeError, match=forced):
         _plan(model, mixed_precision="bf16", strategy="full_shard")
+
+
+class RoutedBlock(Block):
+    """A block with a router kept in fp32 as Switch Transformers keeps it: `converts` converts
+    the router module in the forward (`Module.to`); otherwise the router's weight is cast in the
+    forward's arithmetic, or (`moves`) the router is only moved to the input's device."""
+
+    def __init__(self, converts: bool = True, moves: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(64, 4, bias=False)
+        self.converts = converts
+        self.moves = moves
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moves:
+            self.router.to(x.device)
+        if self.converts:
+            self.router.to(torch.float32)
+            weight = self.router.weight
+        else:
+            weight = self.router.weight.float()
+        gate = nn.functional.linear(x.float(), weight).softmax(-1)[..., :1]
+        return x + torch.relu(self.fc(x)) * gate.to(x.dtype)
+
+
+class Routed(Net):
+    def __init__(self, **kwargs: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RoutedBlock(**kwargs) for _ in range(4)])
+
+
+def test_a_forward_that_converts_a_module_is_not_sharded_under_mixed_precision(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Switch Transformers and NLLB-MoE convert their routers to fp32 in the forward, which no
+    fake step can follow: their FSDP2 candidates were offered by formula under bf16 and the
+    trial step raised FSDP2's "reduce-scatter expects uniform gradient dtype"
+    (test_real_fsdp2_refuses_a_module_the_forward_converts)."""
+    model = Routed()
+    plan = _plan(model, mixed_precision="bf16")
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
+    note = next(r for r in plan.reasons if r.startswith("not offered"))
+    assert "FULL_SHARD (ConvertedInForward: the forward converts a module's parameters to " in note
+    assert "torch.float32 (Module.to or .float() in forward), which FSDP2's torch.bfloat16" in note
+    forced = "strategy FULL_SHARD was forced.*ConvertedInForward.*mixed_precision='no', or"
+    with pytest.raises(RuntimeError, match=forced):
+        _plan(model, mixed_precision="bf16", strategy="full_shard")
+    # where DDP does not fit, the refusal says what would shard it; FSDP2's own failure in the
+    # simulation (it prints a stack trace before raising) does not reach the console
+    capsys.readouterr()
+    needed = plan.chosen.estimated_peak_bytes
+    with pytest.raises(autoshard.DoesNotFit, match="would run with mixed_precision='no'"):
+        _plan(model, mixed_precision="bf16", memory_limit=needed // 2)
+    printed = capsys.readouterr()
+    assert "uniform gradient dtype" not in printed.out + printed.err, printed
+    # without mixed precision FSDP2 trains it (the conversion changes nothing): still offered
+    plain = _plan(model)
+    assert {Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP} <= {c.strategy for c in plain.candidates}
+    assert not any(r.startswith("not offered") for r in plain.reasons), plain.reasons
+
+
+@pytest.mark.parametrize("kwargs", [{"converts": False}, {"converts": False, "moves": True}])
+def test_a_cast_in_the_arithmetic_or_a_move_is_no_conversion(kwargs: dict[str, bool]) -> None:
+    """A weight cast with autograd (FSDP2's gradient comes back in its own dtype) and a module
+    moved to the device it is on convert nothing: FSDP2 stays offered under bf16."""
+    plan = _plan(Routed(**kwargs), mixed_precision="bf16")
+    assert Strategy.FULL_SHARD in {c.strategy for c in plan.candidates}
+    assert not any("ConvertedInForward" in r for r in plan.reasons), plan.reasons
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_real_fsdp2_refuses_a_module_the_forward_converts(
+    one_rank_group: None, mixed_precision: bool
+) -> None:
+    """What the rule above stands on: real FSDP2 trains the converting model without mixed
+    precision and refuses it with bf16 parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Routed()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else None
+    for block in model.blocks:
+        fully_shard(block, **({"mp_policy": policy} if policy else {}))
+    fully_shard(model, **({"mp_policy": policy} if policy else {}))
+    loss = model(torch.randn(8, 64))
+    if not mixed_precision:
+        loss.backward()
+        return
+    with pytest.raises(AssertionError, match="uniform gradient dtype"):
+        loss.backward()

@@ -4,8 +4,6 @@ RNG). Single process; the already-wrapped cases build a one-rank gloo group of t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,16 +175,6 @@ def test_submodule_wrapped_in_data_parallel() -> None:
     model.blocks[1] = nn.DataParallel(model.blocks[1])
     message = refuses(ValueError, "submodule 'blocks.1' is wrapped in", model, optimizer, batch)
     assert "replace submodule 'blocks.1' by its .module" in message
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_model_already_wrapped_in_ddp(one_rank_group: None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from autoshard._units import human
 from autoshard.decide.cost import reserve_bytes, step_seconds
-from autoshard.decide.crashes import candidate_crash, not_offered_note
+from autoshard.decide.crashes import candidate_crash, caused_by_precision, not_offered_note
 from autoshard.decide.estimate import estimate, host_bytes
 from autoshard.decide.fit import DoesNotFit
 from autoshard.decide.plan import Attempt, Candidate, Plan, PlanInputs
@@ -160,10 +160,9 @@ def decide(
     for strategy in strategies:
         error = crash(inputs, strategy, forced_ac or 0)
         if error is not None and forced_strategy is not None:
-            # two dtypes a kernel refuses (measure.fake.MixedDtypes): mixed precision made them
             precision = (
                 ", mixed_precision='no'"
-                if "MixedDtypes" in error and inputs.mixed_precision is not Precision.NO
+                if caused_by_precision(error) and inputs.mixed_precision is not Precision.NO
                 else ""
             )
             raise RuntimeError(

@@ -8,6 +8,16 @@ from autoshard.strategies.strategy import Strategy
 # One simulation: a strategy, and whether every block is checkpointed (as `simulate.Run`)
 Run = tuple[Strategy, bool]
 
+# Errors that mixed precision causes in a candidate's step (`measure.fake.MixedDtypes`: two dtypes
+# a kernel refuses; `measure.crash.ConvertedInForward`: a module the forward converts): the advice
+# for a forced strategy then names mixed_precision='no'
+PRECISION_ERRORS = ("MixedDtypes", "ConvertedInForward")
+
+
+def caused_by_precision(error: str) -> bool:
+    """Whether a candidate's crash (as `measure.crash.crash_of` words it) is mixed precision's."""
+    return any(name in error for name in PRECISION_ERRORS)
+
 
 def candidate_crash(
     crashed: dict[Run, str], simulated_as: Strategy, checkpointed: int
@@ -25,7 +35,12 @@ def not_offered_note(crashed: dict[Run, str]) -> str:
         f"{s}{' with blocks checkpointed' if ck else ''} ({error})"
         for (s, ck), error in sorted(crashed.items())
     )
+    advice = (
+        " (those that mixed precision makes fail would run with mixed_precision='no')"
+        if any(caused_by_precision(error) for error in crashed.values())
+        else ""
+    )
     return (
         f"not offered, as their step fails in its planning simulation (a real step would "
-        f"fail alike): {listed}"
+        f"fail alike): {listed}{advice}"
     )

@@ -5,6 +5,7 @@ noise, printed once per rank. Everything else torch says still reaches the user.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
 import warnings
@@ -48,3 +49,15 @@ def own_runs_quiet() -> Iterator[None]:
     finally:
         logger.removeFilter(drop)
         sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def failed_run_unheard() -> Iterator[None]:
+    """What a fake run prints is held back, and written out only if the run ends cleanly: a run
+    that raises is reported in the plan, and FSDP2 prints a stack trace before each of its
+    assertions (`_raise_assert_with_print`), which would reach the user's console once per rank."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        yield
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())

@@ -32,7 +32,7 @@ from autoshard._torch_compat import profiler_enabled, tree_map, view_base
 from autoshard.measure.fake import fake_mesh, fake_optimizer, shallow_copy, unavailable
 from autoshard.measure.layout import SHALLOW, Layout
 from autoshard.measure.pool import Pool, payload, worker_count
-from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
 from autoshard.measure.simulate import (
     Job,
     Run,
@@ -241,5 +241,10 @@ def serving(
     _take(settings)
     setup = replace(setup, batch=tree_map(_View.made, setup.batch))
     repeats: Layout | None = simulated_layout(model, setup)
+
+    def run(job: Job) -> tuple[Steps, dict[Any, str]]:
+        with failed_run_unheard():
+            return run_at_depth(model, setup, mesh, repeats, job), take_unmeasured()
+
     with own_runs_quiet(), autograd_on(), fake_mesh(size, rank, setup.device.type) as mesh:
-        yield lambda job: (run_at_depth(model, setup, mesh, repeats, job), take_unmeasured())
+        yield run

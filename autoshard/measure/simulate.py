@@ -65,7 +65,7 @@ from autoshard.measure.fake import (
     wider_fake_kernels,
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
-from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
 from autoshard.measure.step import autograd_on, peak_of, total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
@@ -364,9 +364,10 @@ def simulate_all(
             report(f"simulating {strategy}{how} at {size} rank(s) on fake tensors")
             run_setup = replace(setup, checkpoint_all=all_blocks)
             try:
-                simulated = simulate(
-                    model, run_setup, strategy, mesh, ahead.get((strategy, all_blocks))
-                )
+                with failed_run_unheard():
+                    simulated = simulate(
+                        model, run_setup, strategy, mesh, ahead.get((strategy, all_blocks))
+                    )
             except Exception as error:  # noqa: BLE001 - reported in the plan; analytic instead
                 logger.debug("simulating %s failed", strategy, exc_info=True)
                 failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
