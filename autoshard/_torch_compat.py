@@ -391,6 +391,15 @@ _GROUP_FIELDS = (
 )
 
 
+def fsdp_reduces_mixed_dtypes() -> bool:
+    """Whether FSDP2 reduce-scatters gradients of two dtypes in one group: from torch 2.15 (its
+    copy-in operator `fsdp.chunk_cat_mixed_dtype`); before, it asserts one gradient dtype per
+    group ("FSDP reduce-scatter expects uniform gradient dtype")."""
+    import torch.distributed.fsdp  # noqa: F401 - registers the fsdp operators
+
+    return hasattr(torch.ops.fsdp, "chunk_cat_mixed_dtype")
+
+
 def fsdp_reset_iter_state(root: torch.nn.Module) -> bool:
     """FSDP2's per-iteration state put back to idle and sharded after an exception aborted
     forward or backward, the failed iteration's gradients dropped: `reset_iter_state` (torch

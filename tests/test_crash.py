@@ -10,6 +10,7 @@ from torch import nn
 
 import autoshard
 from autoshard import Strategy
+from autoshard._torch_compat import fsdp_reduces_mixed_dtypes
 
 
 class Block(nn.Module):
@@ -164,10 +165,15 @@ def test_a_forward_that_converts_a_module_is_not_sharded_under_mixed_precision(
 ) -> None:
     """Switch Transformers and NLLB-MoE convert their routers to fp32 in the forward, which no
     fake step can follow: their FSDP2 candidates were offered by formula under bf16 and the
-    trial step raised FSDP2's "reduce-scatter expects uniform gradient dtype"
-    (test_real_fsdp2_refuses_a_module_the_forward_converts)."""
+    trial step raised FSDP2's "reduce-scatter expects uniform gradient dtype" (torch 2.13).
+    FSDP2 of torch 2.15 reduces such gradients: there they are offered, and train
+    (test_real_fsdp2_and_a_module_the_forward_converts)."""
     model = Routed()
     plan = _plan(model, mixed_precision="bf16")
+    if fsdp_reduces_mixed_dtypes():
+        assert Strategy.FULL_SHARD in {c.strategy for c in plan.candidates}
+        assert not any(r.startswith("not offered") for r in plan.reasons), plan.reasons
+        return
     assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
     note = next(r for r in plan.reasons if r.startswith("not offered"))
     assert "FULL_SHARD (ConvertedInForward: the forward converts a module's parameters to " in note
@@ -199,11 +205,11 @@ def test_a_cast_in_the_arithmetic_or_a_move_is_no_conversion(kwargs: dict[str, b
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
-def test_real_fsdp2_refuses_a_module_the_forward_converts(
+def test_real_fsdp2_and_a_module_the_forward_converts(
     one_rank_group: None, mixed_precision: bool
 ) -> None:
     """What the rule above stands on: real FSDP2 trains the converting model without mixed
-    precision and refuses it with bf16 parameters."""
+    precision, and with bf16 parameters only where it reduces gradients of two dtypes."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -213,8 +219,9 @@ def test_real_fsdp2_refuses_a_module_the_forward_converts(
         fully_shard(block, **({"mp_policy": policy} if policy else {}))
     fully_shard(model, **({"mp_policy": policy} if policy else {}))
     loss = model(torch.randn(8, 64))
-    if not mixed_precision:
+    if not mixed_precision or fsdp_reduces_mixed_dtypes():
         loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
         return
     with pytest.raises(AssertionError, match="uniform gradient dtype"):
         loss.backward()

@@ -14,8 +14,8 @@ Transformers' and NLLB-MoE's routers do) is found apart, as the plain model's st
 tracker's weak reference to it refuses, so whether its fake steps fail, and where, says little.
 A real step converts in place (`param.data = ...`). Real FSDP2 then trains it without mixed
 precision; with it, a conversion to another dtype takes that module's gathered parameters out of
-FSDP2's dtype, and its reduce-scatter refuses gradients of two dtypes: those candidates are not
-offered (`ConvertedInForward`).
+FSDP2's dtype, and up to torch 2.14 its reduce-scatter refuses gradients of two dtypes: there
+those candidates are not offered (`ConvertedInForward`). FSDP2 of torch 2.15 reduces them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from autoshard._torch_compat import fsdp_reduces_mixed_dtypes
 from autoshard.measure.quiet import failed_run_unheard
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
@@ -148,7 +149,8 @@ def crash_of(
         plain["converts"] = ", ".join(sorted(map(str, conversions.dtypes))) or None
     converts = [d for d in (plain["converts"] or "").split(", ") if d]
     others = [d for d in converts if d != str(setup.dtype)]
-    if others and recipe(strategy).sharded and setup.dtype is not None:
+    sharded = recipe(strategy).sharded and setup.dtype is not None
+    if others and sharded and not fsdp_reduces_mixed_dtypes():
         # said before FSDP2's own step fails on it (which prints a stack trace to stderr)
         return (
             f"{ConvertedInForward.__name__}: the forward converts a module's parameters to "
