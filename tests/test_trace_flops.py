@@ -225,3 +225,72 @@ def test_a_gqa_model_is_traced_on_cuda() -> None:
     assert profile.block_forward_flops == (sdpa_flops((2, 8, 128, 64), kv, kv),)
     assert profile.flops_uncounted == ()
     assert profile.activation_bytes(0) > 0
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible residual pair (RevNet; Reformer's layers): y1 = x1 + f(x2), y2 = x2 + g(y1),
+    run without autograd in forward and recomputed from the outputs in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, f: nn.Module, g: nn.Module) -> torch.Tensor:
+        ctx.f, ctx.g = f, g
+        x1, x2 = x.chunk(2, -1)
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            out = torch.cat([y1, x2 + g(y1)], -1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (out,) = ctx.saved_tensors
+        y1, y2 = out.chunk(2, -1)
+        g1, g2 = grad.chunk(2, -1)
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_(True)
+            gy1 = ctx.g(y1)
+            torch.autograd.backward(gy1, g2)
+            x2 = (y2 - gy1).detach().requires_grad_(True)
+            g1 = g1 + y1.grad
+            torch.autograd.backward(ctx.f(x2), g1)
+        return torch.cat([g1, g2 + x2.grad], -1), None, None
+
+
+class _RevBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+        self.g = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reversible.apply(x, self.f, self.g)
+
+
+class _RevNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([_RevBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_modules_called_inside_a_custom_autograd_function_are_traced() -> None:
+    """torch's ModuleTracker, inside FlopCounterMode, hooks each module call's inputs for
+    backward and fails on a module a custom autograd Function calls ("Expected gradient function
+    to be set"): a reversible network (Reformer) lost its whole trace, on fake and on real
+    tensors, and the plan left its activations out with a warning."""
+    model = _RevNet()
+    batch = torch.randn(16, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    # fp32: this backward recomputes outside autocast, as its forward's outputs allow
+    plan = autoshard.plan(model, optimizer, batch, world_size=2, mixed_precision="no")
+    note = next(r for r in plan.reasons if "activations" in r and "example batch" in r)
+    assert note.startswith("activations traced from the example batch"), note
+    profile = profile_step(model, [b for b in model.blocks], batch, None, None)
+    # each block's forward counted: its two linears, 2 * 16 rows * 32 * 32 FLOPs each
+    assert profile.block_forward_flops == (2 * 2 * 16 * 32 * 32,) * 3

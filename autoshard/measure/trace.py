@@ -115,6 +115,23 @@ class _Attribution:
         return sum(self.nbytes[k] for k, o in self.owner.items() if o == owner)
 
 
+class _TotalsOnly:
+    """What FlopCounterMode asks of its module tracker (torch 2.11 to 2.15: entered, left, and
+    its `parents` read at each counted operator) where only the total is wanted: every count goes
+    to "Global". torch's ModuleTracker hooks each module call's inputs for backward, which fails
+    on a module called inside a custom autograd Function's forward, where an input requires grad
+    but has no gradient function (Reformer's reversible layers: "Expected gradient function to
+    be set"), and the whole trace was lost with it."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _TotalsOnly:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
 def profile_step(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -155,6 +172,7 @@ def profile_step(
     formulas = _FlopFormulas()
     priced = formulas.mapping()
     counter = FlopCounterMode(display=False, custom_mapping=priced)
+    counter.mod_tracker = _TotalsOnly()  # type: ignore[assignment]
     traffic = _Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model, None if real else device)
