@@ -156,7 +156,8 @@ def _run(call: Call, target: Target) -> tuple[Decision, Work]:
         reasons.append(
             f"{drop}: LayerDrop skips layers at random in training, leaving their parameters "
             f"without a gradient in some steps on some ranks: under DDP, "
-            f"find_unused_parameters=True"
+            f"find_unused_parameters=True; FSDP2, whose collectives every rank must join, is "
+            f"not weighed"
         )
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
@@ -230,7 +231,7 @@ def _decide(
 ) -> Decision:
     """Simulate and decide from the agreed reports (the same on every rank)."""
     request = gathered.work.request
-    inputs, strategies, job, num_nodes = _simulated(gathered, reports, target, reasons)
+    inputs, strategies, job, num_nodes = _simulated(gathered, reports, target, reasons, drop)
     forced_ac = forced_checkpointing(request, inputs.num_blocks)
     plan = replace(
         decide(inputs, strategies, request.strategy, forced_ac),
@@ -248,10 +249,15 @@ def _decide(
 
 
 def _simulated(
-    gathered: _Gathered, reports: list[RankReport], target: Target, reasons: list[str]
+    gathered: _Gathered,
+    reports: list[RankReport],
+    target: Target,
+    reasons: list[str],
+    drop: str | None,
 ) -> tuple[PlanInputs, tuple[Strategy, ...], Job, int]:
     """The agreed facts with every strategy weighed simulated: the plan's inputs, those
-    strategies, the job and the nodes it spans."""
+    strategies, the job and the nodes it spans. `drop`: where the model skips layers at
+    random (`layer_drop`)."""
     work, request = gathered.work, gathered.work.request
     blocks = [m for _, m in gathered.blocks]
     usable, usable_reason = usable_memory(reports, request.memory_limit)
@@ -266,7 +272,7 @@ def _simulated(
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
     inputs = with_device(with_host(inputs, reports), reports)
-    job = _job(target, num_nodes)
+    job = _job(target, num_nodes, drop)
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)
@@ -307,7 +313,7 @@ def _probe(
     def probe(n: int) -> dict[Key, tuple[int, bool]]:
         cut = replace(call, batch=resized(call.batch, rows, n), options=options, dataloader=None)
         gathered = gather(cut, alone)
-        inputs = _simulated(gathered, [gathered.report], alone, [])[0]
+        inputs = _simulated(gathered, [gathered.report], alone, [], layer_drop(call.model))[0]
         needs = {}
         for key in keys:
             c = candidate(inputs, *key)
@@ -361,7 +367,7 @@ def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | 
     return batch_for(rung, rows, how, [a[key] for a in answers], probed, steps)
 
 
-def _job(target: Target, num_nodes: int) -> Job:
+def _job(target: Target, num_nodes: int, drop: str | None = None) -> Job:
     """What decides which strategies the target can use (`strategies.recipes.available`)."""
     return Job(
         target.world_size,
@@ -369,6 +375,7 @@ def _job(target: Target, num_nodes: int) -> Job:
         num_nodes,
         target.device.type,
         own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
+        skips_layers=drop,
     )
 
 

@@ -895,3 +895,49 @@ def test_fsdp_keeps_one_units_sharded_gradient_free() -> None:
     )
     assert plan.strategy == Strategy.SHARD_GRAD_OP
     assert "kept free beside it" in plan.reasons[-1]
+
+
+class _SkipsLayers(nn.Module):
+    """LayerDrop as transformers' M2M100 and SpeechT5 keep it: a probability in `layerdrop`."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if not (self.training and torch.rand([]) < self.layerdrop):
+                x = torch.tanh(block(x))
+        return x.square().mean()
+
+
+def test_a_model_that_skips_layers_at_random_is_not_sharded_over_several_ranks() -> None:
+    """A rank that skips a block neither gathers its parameters in backward nor reduce-scatters
+    its gradients, while the others do: on 2 gloo ranks, a FULL_SHARD step in which one rank
+    skipped a block aborted with "Is there a distributed collective mismatch" (torch 2.13,
+    2026-11-28); NCCL would hang. DDP trains it (test_distributed's LayerDrop case)."""
+    model = _SkipsLayers(0.1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(8, 64)
+    plan = autoshard.plan(model, optimizer, batch, world_size=4, mixed_precision="no")
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}, plan
+    assert any(
+        "FSDP2, whose collectives every rank must join, is not weighed" in r for r in plan.reasons
+    )
+    for forced in ("full_shard", "shard_grad_op"):
+        with pytest.raises(
+            ValueError,
+            match=f"strategy {forced.upper()} shards each block .* "
+            r"\('layerdrop' is 0.1\), each rank its own.*Use 'ddp'",
+        ):
+            autoshard.plan(model, optimizer, batch, world_size=4, strategy=forced)
+    with pytest.raises(ValueError, match="strategy HYBRID_SHARD shards each block"):
+        autoshard.plan(model, optimizer, batch, world_size=4, num_nodes=2, strategy="hybrid_shard")
+    # with the probability at 0, or one rank alone, every rank runs every block: sharded again
+    model.layerdrop = 0.0
+    plain = autoshard.plan(model, optimizer, batch, world_size=4, mixed_precision="no")
+    assert Strategy.FULL_SHARD in {c.strategy for c in plain.candidates}
+    model.layerdrop = 0.1
+    job = Job(1, True, 1, "cuda", skips_layers="'layerdrop' is 0.1")
+    assert Strategy.CPU_OFFLOAD in available(job)

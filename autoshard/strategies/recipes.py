@@ -35,6 +35,8 @@ class Job:
     # One process without a process group (plain `python`), which `prepare` can give a one-rank
     # group of its own (`_world.own_group`) for a strategy that helps alone (`Recipe.helps_alone`).
     own_group: bool = False
+    # Where the model skips whole layers at random in training (`engines.layer_drop`), or None
+    skips_layers: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,26 @@ def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
     return check
 
 
+def _sharded(check: Callable[[Job], str | None], strategy: Strategy) -> Callable[[Job], str | None]:
+    """`check`, and no FSDP2 over several ranks for a model that skips layers at random: a rank
+    that skips a block neither gathers its parameters with the others in backward nor
+    reduce-scatters its gradients, so the ranks' collectives differ (an error on gloo, a hang
+    on NCCL, at the first step that skips one)."""
+
+    def sharded(job: Job) -> str | None:
+        if job.skips_layers is None or job.world_size == 1:
+            return check(job)
+        return (
+            f"strategy {strategy} shards each block with collectives every rank must join, but "
+            f"the model skips layers at random in training ({job.skips_layers}), each rank its "
+            f"own: at the first step that skips one the ranks' collectives would differ (an "
+            f"error, or a hang). Use 'ddp' (it then looks for unused parameters every step), "
+            f"or set that probability to 0 to shard the model"
+        )
+
+    return sharded
+
+
 def _hybrid(job: Job) -> str | None:
     if 1 < job.num_nodes <= job.world_size and job.world_size % job.num_nodes == 0:
         return _needs_group(Strategy.HYBRID_SHARD)(job)
@@ -157,7 +179,7 @@ RECIPES: dict[Strategy, Recipe] = {
         Recipe(
             Strategy.SHARD_GRAD_OP,
             Engine.FSDP2,
-            _needs_group(Strategy.SHARD_GRAD_OP),
+            _sharded(_needs_group(Strategy.SHARD_GRAD_OP), Strategy.SHARD_GRAD_OP),
             frugality=1,
             falls_back_to=frozenset({Strategy.FULL_SHARD}),
             accelerate_reshard_after_forward=False,
@@ -165,7 +187,7 @@ RECIPES: dict[Strategy, Recipe] = {
         Recipe(
             Strategy.FULL_SHARD,
             Engine.FSDP2,
-            _needs_group(Strategy.FULL_SHARD),
+            _sharded(_needs_group(Strategy.FULL_SHARD), Strategy.FULL_SHARD),
             reshard_after_forward=True,
             frugality=3,
             accelerate_reshard_after_forward=True,
@@ -173,7 +195,7 @@ RECIPES: dict[Strategy, Recipe] = {
         Recipe(
             Strategy.HYBRID_SHARD,
             Engine.FSDP2,
-            _hybrid,
+            _sharded(_hybrid, Strategy.HYBRID_SHARD),
             reshard_after_forward=True,
             hybrid=True,
             simulated_as=Strategy.FULL_SHARD,
@@ -182,7 +204,7 @@ RECIPES: dict[Strategy, Recipe] = {
         Recipe(
             Strategy.CPU_OFFLOAD,
             Engine.FSDP2,
-            _offload,
+            _sharded(_offload, Strategy.CPU_OFFLOAD),
             reshard_after_forward=True,
             offload=True,
             simulated_as=Strategy.FULL_SHARD,
