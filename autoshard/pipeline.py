@@ -151,13 +151,13 @@ def _run(call: Call, target: Target) -> tuple[Decision, Work]:
             f"{len(unused)} trainable parameter(s) got no gradient in the traced step (e.g. "
             f"'{unused[0]}'): under DDP, find_unused_parameters=True"
         )
-    drop = layer_drop(call.model)
+    drop = skips_layers(call.model, reports)
     if drop is not None and target.world_size > 1:
         reasons.append(
-            f"{drop}: LayerDrop skips layers at random in training, leaving their parameters "
-            f"without a gradient in some steps on some ranks: under DDP, "
-            f"find_unused_parameters=True; FSDP2, whose collectives every rank must join, is "
-            f"not weighed"
+            f"{drop}: the model skips layers at random in training (LayerDrop, stochastic "
+            f"depth), leaving their parameters without a gradient in some steps on some ranks: "
+            f"under DDP, find_unused_parameters=True; FSDP2, whose collectives every rank must "
+            f"join, is not weighed"
         )
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
@@ -313,7 +313,8 @@ def _probe(
     def probe(n: int) -> dict[Key, tuple[int, bool]]:
         cut = replace(call, batch=resized(call.batch, rows, n), options=options, dataloader=None)
         gathered = gather(cut, alone)
-        inputs = _simulated(gathered, [gathered.report], alone, [], layer_drop(call.model))[0]
+        drop = skips_layers(call.model, [gathered.report])
+        inputs = _simulated(gathered, [gathered.report], alone, [], drop)[0]
         needs = {}
         for key in keys:
             c = candidate(inputs, *key)
@@ -365,6 +366,21 @@ def largest_batch(call: Call, target: Target, error: DoesNotFit) -> tuple[int | 
     rows, how, answers, probed = _search(call, target, at_rows, error.usable, host)
     steps = call.options["accumulation_steps"]
     return batch_for(rung, rows, how, [a[key] for a in answers], probed, steps)
+
+
+def skips_layers(model: nn.Module, reports: list[RankReport]) -> str | None:
+    """Where the model skips layers at random in training: a layer-drop probability it keeps
+    (`layer_drop`), else a random branch its traced step took on any rank
+    (`ActivationProfile.random_reads`); None where neither."""
+    drop = layer_drop(model)
+    if drop is not None:
+        return drop
+    for report in reports:
+        profile = report.measured.profile
+        if profile is not None and profile.random_reads:
+            place, what = profile.random_reads[0]
+            return f"'{what}' read back at {place}"
+    return None
 
 
 def _job(target: Target, num_nodes: int, drop: str | None = None) -> Job:

@@ -75,13 +75,13 @@ def test_a_place_read_both_ways_or_differing_between_runs_is_not_answered() -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# A uniform draw compared with a bound outside [0, 1): answered with no real step
+# A uniform draw compared with a bound: answered with no real step (the likelier way inside [0, 1))
 
 
-def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_and_one_inside_is_not() -> None:
+def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_one_inside_noted() -> None:
     from autoshard.measure.fake import fake_mode
 
-    with fake_mode():
+    with fake_mode() as mode:
         draw = torch.rand([])
         assert bool(draw < 0.0) is False  # LayerDrop's default: never dropped
         assert bool(draw <= -0.5) is False
@@ -90,10 +90,21 @@ def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_and_one_insi
         assert bool(draw > 1) is False
         assert bool(torch.rand_like(torch.zeros(1)) < 0.0) is False
         assert bool(torch.rand([], generator=torch.Generator()) < 0.0) is False
-        with pytest.raises(DataDependentOutputException):
-            bool(draw < 0.5)  # the draw decides
-        with pytest.raises(DataDependentOutputException):
-            bool(draw <= 0.0)  # 0.0 may be drawn
+        assert mode.draws.random_reads == {}
+        # the draw decides: the likelier answer (a layer dropped with probability 0.2 is kept),
+        # and where it was read is noted
+        assert bool(draw < 0.2) is False
+        assert bool(draw > 0.2) is True
+        assert bool(draw <= 0.9) is True
+        assert bool(draw <= 0.0) is False  # 0.0 may be drawn, but hardly
+        said = sorted(mode.draws.random_reads.values())
+        assert said == [
+            "torch.rand() < 0.2",
+            "torch.rand() <= 0",
+            "torch.rand() <= 0.9",
+            "torch.rand() > 0.2",
+        ]
+        assert all(place.startswith(__file__) for place in mode.draws.random_reads)
         with pytest.raises(DataDependentOutputException):
             bool(torch.zeros([]) < 0.0)  # not a draw: its values are unknown
         with pytest.raises(DataDependentOutputException):
@@ -130,13 +141,13 @@ class _LayerDrop(nn.Module):
         return self.head(x).sum()
 
 
-def _planned_on_meta(drop: float | None) -> tuple[int, tuple[str, ...]]:
+def _planned_on_meta(drop: float | None) -> Any:
     import autoshard
 
     with torch.device("meta"):
         model = _LayerDrop(drop)
         batch = torch.zeros(8, 32)
-    plan = autoshard.plan(
+    return autoshard.plan(
         model,
         torch.optim.AdamW(model.parameters()),
         batch,
@@ -144,18 +155,84 @@ def _planned_on_meta(drop: float | None) -> tuple[int, tuple[str, ...]]:
         world_size=2,
         device="cpu",
         device_memory="8GiB",
+        strategy="ddp",
     )
-    return plan.chosen.estimated_peak_bytes, plan.reasons
 
 
 def test_a_model_on_meta_that_draws_for_layer_drop_is_planned_as_one_that_does_not() -> None:
     # before: on meta its forward read the draw back, and no real step could answer it
-    peak, reasons = _planned_on_meta(0.0)
-    undrawn, _ = _planned_on_meta(None)
-    assert peak == undrawn
-    assert not any("could not be traced" in r for r in reasons)
-    _, drawn = _planned_on_meta(0.5)  # the draw decides: traced as before, saying so
-    assert any("could not be traced on fake tensors" in r for r in drawn)
+    plan = _planned_on_meta(0.0)
+    undrawn = _planned_on_meta(None)
+    assert plan.chosen.estimated_peak_bytes == undrawn.chosen.estimated_peak_bytes
+    assert not any("could not be traced" in r for r in plan.reasons)
+    assert plan.layer_drop is None and not plan.find_unused_parameters
+    # the draw decides: traced keeping every layer (the likelier answer), and said; before, it
+    # was traced on real tensors where it could be, and not at all on meta
+    drawn = _planned_on_meta(0.3)
+    assert drawn.chosen.estimated_peak_bytes == undrawn.chosen.estimated_peak_bytes
+    assert not any("could not be traced" in r for r in drawn.reasons)
+    assert drawn.layer_drop is not None and drawn.layer_drop.startswith(
+        "'torch.rand() < 0.3' read back at "
+    )
+    assert drawn.find_unused_parameters
+
+
+class _StochasticDepth(nn.Module):
+    """Stochastic depth written by hand: a block skipped at random with probability `p`, an
+    attribute no layer-drop name gives away; `item`: the draw read back as a number."""
+
+    def __init__(self, p: float, item: bool = False) -> None:
+        super().__init__()
+        self.p, self.item = p, item
+        self.ff = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        draw = torch.rand(()).item() if self.item else torch.rand(())
+        if self.training and draw < self.p:
+            return x
+        return x + self.ff(x)
+
+
+class _Deep(nn.Module):
+    def __init__(self, p: float, item: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_StochasticDepth(p, item) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("item", [False, True])
+def test_stochastic_depth_written_by_hand_is_found_and_traced_keeping_every_block(
+    item: bool,
+) -> None:
+    """Found by a held-out sweep: the one traced step skipped a block or not as the draw fell, so
+    DDP got find_unused_parameters only when it did, and the first training step that skipped a
+    block then failed ("Expected to have finished reduction"); the activations were those of
+    whichever blocks ran. Now the read-back is found, and the trace keeps every block (the
+    likelier answer; a draw read back as a number runs on real tensors, as drawn)."""
+    import autoshard
+    from autoshard import Strategy
+
+    batch = torch.randn(16, 32)
+    steady = _Deep(0.0)
+    optimizer = torch.optim.AdamW(steady.parameters())
+    kept = autoshard.plan(steady, optimizer, batch, world_size=2, mixed_precision="no")
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = _Deep(0.25, item)
+        optimizer = torch.optim.AdamW(model.parameters())
+        plan = autoshard.plan(model, optimizer, batch, world_size=2, mixed_precision="no")
+        said = "torch.rand() read back" if item else "torch.rand() < 0.25"
+        assert plan.layer_drop is not None and plan.layer_drop.startswith(
+            f"'{said}' read back at "
+        ), plan.layer_drop
+        assert plan.find_unused_parameters
+        assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
+        if not item:
+            assert plan.chosen.footprint == kept.chosen.footprint
 
 
 # Two tensors of different dtypes: refused on fake tensors where the real kernel refuses them

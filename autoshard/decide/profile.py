@@ -94,6 +94,9 @@ class ActivationProfile:
         answers: for a step measured on real tensors, the yes/no values it read back from its
             tensors, by the place in the code that read them (`measure.answers`): the
             simulation answers them alike.
+        random_reads: where the step read back a uniform draw, or its comparison with a bound
+            inside (0, 1), and what: "torch.rand() < 0.1" (`measure.answers.Draws`). It then
+            branches at random, as layers skipped at random (LayerDrop) do.
         flops_by_own_formula: operators whose forward FLOPs autoshard's own formula counted
             because torch's raised on them (grouped-query attention on torch 2.11).
         flops_uncounted: operators whose forward FLOPs no formula could count: counted as 0,
@@ -125,6 +128,7 @@ class ActivationProfile:
     compute_dtype: torch.dtype
     unused_parameters: tuple[str, ...] = ()
     answers: tuple[tuple[str, bool], ...] = ()
+    random_reads: tuple[tuple[str, str], ...] = ()
     flops_by_own_formula: tuple[str, ...] = ()
     flops_uncounted: tuple[str, ...] = ()
     unlike_blocks: str | None = None

@@ -21,6 +21,14 @@ mBART, Marian, Pegasus, Whisper, ...) draws `torch.rand([])` for every layer in 
 compares it with its drop probability, 0.0 by default: never below it. Without this a model of
 those built on meta could not be planned at all (no real values to trace), and one built on a
 device was traced on real tensors for it.
+
+A bound inside (0, 1) leaves the answer to the draw: the step branches at random, as LayerDrop
+with a probability above 0 and hand-written stochastic depth (`if torch.rand(()) < p: return x`)
+skip whole layers. Such a read-back gets the likelier answer, in the trace (fake or real) and the
+simulation alike: for a drop probability below one half, the branch that keeps the layer, whose
+memory the estimate must hold. Where it was read is kept (`random_reads`): a step that skips
+layers at random on each rank apart needs DDP to look for unused parameters every step, and
+rules FSDP2 out (`strategies.recipes`).
 """
 
 from __future__ import annotations
@@ -70,16 +78,20 @@ def asked_at() -> str:
 
 class Recorder(TorchDispatchMode):
     """Records each boolean a real step reads back from a tensor, by where it was read. A place
-    read with both values is dropped (`answers`)."""
+    read with both values is dropped (`answers`). A uniform draw compared with a bound is read
+    back as `DecidedDraws` answers it (`Draws`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._read: dict[str, set[bool]] = {}
+        self.draws = Draws()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        result = func(*args, **(kwargs or {}))
+        decided = self.draws.answer(args[0]) if func is READ_BACK else None
+        result = func(*args, **(kwargs or {})) if decided is None else decided
         if func is READ_BACK and args[0].dtype == torch.bool:
             self._read.setdefault(asked_at(), set()).add(bool(result))
+        self.draws.follow(func, args, result)
         return result
 
     def answers(self) -> dict[str, bool]:
@@ -123,45 +135,87 @@ _COMPARED: dict[Any, Callable[[float], bool | None]] = {
 }
 
 
+_SIGNS = {aten.lt.Scalar: "<", aten.le.Scalar: "<=", aten.gt.Scalar: ">", aten.ge.Scalar: ">="}
+
+
+def _likelier(func: Any, bound: float) -> bool:
+    """The likelier answer of a uniform draw in [0, 1) compared with `bound` inside it (a draw
+    is below the bound with probability `bound`); at one half, False."""
+    below = func in (aten.lt.Scalar, aten.le.Scalar)
+    return bound > 0.5 if below else bound < 0.5
+
+
+class Draws:
+    """A step's uniform draws, its comparisons of one with a bound, and the answer a read-back
+    of such a comparison gets (the module's docstring); `random_reads`: where a read-back was
+    left to the draw ("file:line < file:line": "torch.rand() < 0.1")."""
+
+    def __init__(self) -> None:
+        # by identity: a tensor's == is elementwise, its truth a read-back
+        self._draws = torch.utils.weak.WeakIdKeyDictionary()
+        self._compared = torch.utils.weak.WeakIdKeyDictionary()  # tensor: (answer, random)
+        self.random_reads: dict[str, str] = {}
+
+    def answer(self, tensor: Any) -> bool | None:
+        """The answer a read-back of `tensor` gets, or None (its own value); a read-back the
+        draw decides is noted, and so is one of a draw itself."""
+        if tensor in self._compared:
+            answer, random = self._compared[tensor]
+            if random is not None:
+                self.random_reads.setdefault(asked_at(), random)
+            return bool(answer)
+        if tensor in self._draws:
+            self.random_reads.setdefault(asked_at(), "torch.rand() read back")
+        return None
+
+    def follow(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
+        """Note what `func` made of the draws held."""
+        if (self._draws or self._compared) and writes_arguments(func):
+            # a draw or an answer written over in place, or through a view, is neither any
+            # more: forget them all (LayerDrop compares its draw at once); with none held,
+            # every operator of the step passes here at no more cost than this test
+            self._draws = torch.utils.weak.WeakIdKeyDictionary()
+            self._compared = torch.utils.weak.WeakIdKeyDictionary()
+        elif func in _DRAWS and isinstance(out, torch.Tensor):
+            self._draws[out] = True
+        elif (
+            func in _COMPARED
+            and isinstance(out, torch.Tensor)
+            and len(args) == 2
+            and args[0] in self._draws
+            and isinstance(args[1], (int, float))
+            and not isinstance(args[1], bool)
+        ):
+            bound = float(args[1])
+            answer = _COMPARED[func](bound)
+            if answer is None:
+                self._compared[out] = (
+                    _likelier(func, bound),
+                    f"torch.rand() {_SIGNS[func]} {bound:g}",
+                )
+            else:
+                self._compared[out] = (answer, None)
+
+
 @functools.cache
 def decided_draws() -> type:
     """A FakeTensorMode that answers the read-back of a uniform draw compared with a bound
-    outside [0, 1) (the module's docstring), before its dispatch cache is consulted; every
-    other read-back as torch's fake mode does (or the `answering` kernel). It overrides
-    `dispatch`, which `__torch_dispatch__` calls on every torch 2.11 to 2.15; a torch that did
-    not call it would leave every draw undecided, as before."""
+    (the module's docstring), before its dispatch cache is consulted; every other read-back as
+    torch's fake mode does (or the `answering` kernel). It overrides `dispatch`, which
+    `__torch_dispatch__` calls on every torch 2.11 to 2.15; a torch that did not call it would
+    leave every draw undecided, as before."""
     base = resolve("FakeTensorMode")
 
     class DecidedDraws(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            # by identity: a tensor's == is elementwise, its truth a read-back
-            self._draws = torch.utils.weak.WeakIdKeyDictionary()
-            self._decided = torch.utils.weak.WeakIdKeyDictionary()
+            self.draws = Draws()
 
         def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func is READ_BACK and args and args[0] in self._decided:
-                return self._decided[args[0]]
+            if func is READ_BACK and args and (answer := self.draws.answer(args[0])) is not None:
+                return answer
             out = super().dispatch(func, types, args, kwargs)
-            if (self._draws or self._decided) and writes_arguments(func):
-                # a draw or an answer written over in place, or through a view, is neither any
-                # more: forget them all (LayerDrop compares its draw at once); with none held,
-                # every operator of the step passes here at no more cost than this test
-                self._draws = torch.utils.weak.WeakIdKeyDictionary()
-                self._decided = torch.utils.weak.WeakIdKeyDictionary()
-            elif func in _DRAWS and isinstance(out, torch.Tensor):
-                self._draws[out] = True
-            elif (
-                func in _COMPARED
-                and isinstance(out, torch.Tensor)
-                and len(args) == 2
-                and args[0] in self._draws
-                and isinstance(args[1], (int, float))
-                and not isinstance(args[1], bool)
-            ):
-                answer = _COMPARED[func](float(args[1]))
-                if answer is not None:
-                    self._decided[out] = answer
+            self.draws.follow(func, args, out)
             return out
 
     return DecidedDraws

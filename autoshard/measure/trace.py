@@ -227,6 +227,7 @@ def profile_step(
             if param.requires_grad and state[name].grad is None
         ),
         answers=tuple(recorder.answers().items()),
+        random_reads=tuple(mode.draws.random_reads.items()),
         flops_by_own_formula=tuple(taken["formulas"][0]),
         flops_uncounted=tuple(taken["formulas"][1]),
         block_forward_traffic=tuple(traffic.block_bytes),
@@ -292,6 +293,7 @@ def profile_scaled(
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
+        random_reads=tuple({**dict(one.random_reads), **dict(two.random_reads)}.items()),
         flops_by_own_formula=tuple(sorted({*one.flops_by_own_formula, *two.flops_by_own_formula})),
         flops_uncounted=tuple(sorted({*one.flops_uncounted, *two.flops_uncounted})),
         block_forward_traffic=lines(one.block_forward_traffic, two.block_forward_traffic),
