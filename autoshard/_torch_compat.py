@@ -638,6 +638,18 @@ def _forget_cached(func: Any) -> None:
         del cache[key]
 
 
+def meta_call(fake_mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What torch's own meta kernel of `func` gives for these fake tensors (meta tensors), for a
+    fake kernel (`fake_kernel`) that changes part of it; `as_fake` makes them fake again."""
+    with resolve("in_kernel_invocation_manager")(fake_mode):
+        return func(*args, **kwargs)
+
+
+def as_fake(fake_mode: Any, tensor: torch.Tensor, device: torch.device) -> Any:
+    """A meta tensor as a fake tensor of `fake_mode` on `device`."""
+    return resolve("FakeTensor")(fake_mode, tensor, device)
+
+
 def grouped_mm_output(fake_mode: Any, mat_a: Any, mat_b: Any, offs: Any, out_dtype: Any) -> Any:
     """A fake tensor of the shape and dtype torch's meta kernel gives `_grouped_mm`'s output."""
     create = resolve("_create_grouped_mm_output_tensor")

@@ -128,7 +128,7 @@ class Workspace(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns it into the local call, which comes back
-        key = (self.device.type, str(func), _describe(args, kwargs))
+        key = (self.device.type, str(func), describe_call(args, kwargs))
         cannot = self.cannot
         if key not in _measured and cannot is None:
             cannot = _too_large(func, args, kwargs) if self.device.type == "cpu" else None
@@ -155,7 +155,7 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
 # memory available: a kernel's scratch can be several times its output (the bf16 convolution
 # above: 9 times), and the kernel that runs out of host memory gets the process killed, not an
 # exception. An LLM's head in bf16 on CPU, [tokens, d] @ [d, vocab], comes to gigabytes.
-_PROBE_SHARE = 1 / 8
+PROBE_SHARE = 1 / 8
 
 
 def _too_large(func: Any, args: Any, kwargs: Any) -> str | None:
@@ -168,7 +168,7 @@ def _too_large(func: Any, args: Any, kwargs: Any) -> str | None:
     tensors = [x for x in tree_flatten((args, kwargs, output))[0] if isinstance(x, torch.Tensor)]
     need = sum(t.numel() * t.element_size() for t in tensors)
     available = host_memory().available_bytes
-    if need <= available * _PROBE_SHARE:
+    if need <= available * PROBE_SHARE:
         return None
     return f"too large to run here: its tensors alone take {need:,} B of {available:,} B free"
 
@@ -207,9 +207,9 @@ def merge_unmeasured(calls: dict[tuple[Any, ...], str]) -> None:
     _unmeasured.update(calls)
 
 
-def _describe(args: Any, kwargs: Any) -> tuple[Any, ...]:
+def describe_call(args: Any, kwargs: Any) -> tuple[Any, ...]:
     """What determines a call's workspace: each tensor's shape, strides and dtype, every other
-    argument's value."""
+    argument's value (a key for what was measured of it)."""
     flat, spec = tree_flatten((args, kwargs))
     return str(spec), *(
         (tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x for x in flat
@@ -221,7 +221,7 @@ def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | Non
     run here: too little memory, an unsupported combination)."""
     with disable_current_modes():  # the fake mode and the tracker too: this runs for real
         try:
-            real_args, real_kwargs = tree_map(lambda x: _real(x, device), (args, kwargs))
+            real_args, real_kwargs = tree_map(lambda x: zeros_on(x, device), (args, kwargs))
             func(*real_args, **real_kwargs)  # once to warm up: first calls build kernels
             if device.type == "cuda":
                 return _held_cuda(func, real_args, real_kwargs, device)
@@ -231,7 +231,8 @@ def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | Non
             return None
 
 
-def _real(x: Any, device: torch.device) -> Any:
+def zeros_on(x: Any, device: torch.device) -> Any:
+    """A real zero-filled tensor like (fake) tensor `x` on `device`; any other value as it is."""
     if not isinstance(x, torch.Tensor):
         return x
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device).zero_()
