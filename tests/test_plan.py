@@ -941,3 +941,35 @@ def test_a_model_that_skips_layers_at_random_is_not_sharded_over_several_ranks()
     model.layerdrop = 0.1
     job = Job(1, True, 1, "cuda", skips_layers="'layerdrop' is 0.1")
     assert Strategy.CPU_OFFLOAD in available(job)
+
+
+class _SparseTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.EmbeddingBag(512, 32, mode="sum", sparse=True)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.table(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.square().mean()
+
+
+def test_a_model_with_sparse_gradients_is_not_sharded() -> None:
+    """FSDP2 reduce-scatters each gradient as a dense tensor (`fsdp::chunk_cat` has no sparse
+    kernel): a held-out sweep's DLRM-style model was given FULL_SHARD under a memory limit and
+    its trial step raised "Could not run 'fsdp::chunk_cat' with arguments from the 'SparseCPU'
+    backend". Sparse gradients train under DDP."""
+    model = _SparseTable()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(512, (8, 4))
+    plan = autoshard.plan(model, optimizer, ids, world_size=2, mixed_precision="no")
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}, plan
+    note = "'table' (EmbeddingBag, sparse=True) makes sparse gradients"
+    assert any(r.startswith(note) for r in plan.reasons), plan.reasons
+    with pytest.raises(ValueError, match=r"strategy FULL_SHARD .* 'table' \(EmbeddingBag, spar"):
+        autoshard.plan(model, optimizer, ids, world_size=2, strategy="full_shard")
+    model.table.sparse = False
+    dense = autoshard.plan(model, optimizer, ids, world_size=2, mixed_precision="no")
+    assert Strategy.FULL_SHARD in {c.strategy for c in dense.candidates}

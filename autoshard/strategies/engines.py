@@ -186,6 +186,15 @@ def layer_drop(model: nn.Module) -> str | None:
     return None
 
 
+def sparse_gradients(model: nn.Module) -> str | None:
+    """Where `model` makes sparse gradients (an `Embedding` or `EmbeddingBag` built with
+    sparse=True), said as "'emb' (Embedding, sparse=True)"; None where it does not."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            return f"'{name}' ({type(module).__name__}, sparse=True)"
+    return None
+
+
 def make_ddp(module: nn.Module, device: torch.device, find_unused: bool) -> nn.Module:
     """`DistributedDataParallel` as autoshard builds it."""
     device_ids = [device.index] if device.type == "cuda" else None
