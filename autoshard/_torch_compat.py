@@ -21,6 +21,8 @@ profiler) are imported only when a function here needs them, as before.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -218,7 +220,7 @@ def missing(*names: str) -> str | None:
 
 # Imported with autoshard (torch imports these modules itself): an older or newer torch without
 # them fails here, with the message, rather than deep inside a module.
-tree_map = resolve("tree_map")
+_pytree_map = resolve("tree_map")
 tree_leaves = resolve("tree_leaves")
 tree_flatten = resolve("tree_flatten")
 TorchDispatchMode = resolve("TorchDispatchMode")
@@ -389,6 +391,22 @@ _GROUP_FIELDS = (
     "_training_state",
     "_to_sharded",
 )
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """torch's pytree map, which also maps into the dataclass instances pytree leaves whole (a
+    batch or an output given as a @dataclass that nobody registered with pytree): each field
+    mapped, on a shallow copy, the instance itself never given to `fn`."""
+
+    def leaf(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            mapped = copy.copy(x)
+            for field in dataclasses.fields(x):
+                object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
+            return mapped
+        return fn(x)
+
+    return _pytree_map(leaf, tree)
 
 
 def fsdp_reduces_mixed_dtypes() -> bool:
