@@ -225,3 +225,26 @@ def test_real_fsdp2_and_a_module_the_forward_converts(
         return
     with pytest.raises(AssertionError, match="uniform gradient dtype"):
         loss.backward()
+
+
+class SpectralMixing(Net):
+    """FNet-style mixing through torch.fft, which computes no bf16 on CPU: under autocast it
+    runs in fp32, under FSDP2's bf16 parameters its input is bf16 and it raises."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) + torch.fft.rfft(x, dim=-1).real.repeat(1, 2)[:, :64]
+        return self.head(x).square().mean()
+
+
+def test_a_kernel_that_refuses_the_low_precision_dtype_names_mixed_precision_off() -> None:
+    """A held-out sweep (FNet, an FFT-based S4): FSDP2 under bf16 rightly not offered, but the
+    advice left out the one setting that would shard the model."""
+    model = SpectralMixing()
+    plan = _plan(model, mixed_precision="bf16")
+    note = next(r for r in plan.reasons if r.startswith("not offered"))
+    assert "Unsupported dtype BFloat16" in note and "with mixed_precision='no'" in note, note
+    forced = "strategy FULL_SHARD was forced.*activation_checkpointing, mixed_precision='no', or"
+    with pytest.raises(RuntimeError, match=forced):
+        _plan(model, mixed_precision="bf16", strategy="full_shard")
+    assert Strategy.FULL_SHARD in {c.strategy for c in _plan(model).candidates}

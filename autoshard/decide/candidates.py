@@ -179,10 +179,11 @@ def decide(
             if frugal != plain:
                 shown.append(frugal)
     reasons = list(inputs.reasons)
+    note = not_offered_note(inputs.crashed, inputs.mixed_precision is not Precision.NO)
     if inputs.crashed:
-        reasons.append(not_offered_note(inputs.crashed))
+        reasons.append(note)
     if not shown:
-        raise RuntimeError(f"no candidate can train this model: {not_offered_note(inputs.crashed)}")
+        raise RuntimeError(f"no candidate can train this model: {note}")
     if forced_strategy is not None:
         pool = [c for c in shown if c.strategy == forced_strategy]
         chosen = next((c for c in pool if c.fits), pool[-1])

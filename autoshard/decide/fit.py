@@ -112,8 +112,10 @@ def _not_offered(inputs: PlanInputs) -> str:
     if not inputs.crashed:
         return ""
     from autoshard.decide.crashes import not_offered_note
+    from autoshard.decide.precision import Precision
 
-    return f" Also {not_offered_note(inputs.crashed)}."
+    mixed = inputs.mixed_precision is not Precision.NO
+    return f" Also {not_offered_note(inputs.crashed, mixed)}."
 
 
 def host_shortfall(inputs: PlanInputs, c: Candidate) -> int:
