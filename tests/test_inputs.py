@@ -150,3 +150,16 @@ def test_prepare_takes_a_precision_and_the_plan_carries_it() -> None:
     assert plan.mixed_precision is autoshard.Precision.NO
     assert plan.to_dict()["mixed_precision"] == "no"
     assert "mixed precision no," in str(plan)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_auto_keeps_a_double_precision_model_in_its_precision(dtype: torch.dtype) -> None:
+    """A held-out sweep's float64 model got bf16 under "auto": FSDP2's bf16 parameters computed
+    it in bf16 (its loss 0.5% off the float64 run), while autocast left it as it was under DDP
+    (a plan that said bf16 for a step that ran float64). An explicit bf16 is still obeyed."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(dtype))
+    choice, reason = resolve_mixed_precision(None, CPU, model)
+    assert choice is Precision.NO
+    assert reason.startswith(f"mixed precision off (auto): parameters are {dtype}"), reason
+    assert resolve_mixed_precision(Precision.BF16, CPU, model)[0] is Precision.BF16

@@ -51,6 +51,10 @@ class Measured:
     under_autocast: str | None = None
 
 
+# Parameters in these dtypes keep mixed precision off under "auto"
+_DOUBLE_PRECISION = (torch.float64, torch.complex128)
+
+
 def resolve_mixed_precision(
     requested: Precision | None, device: torch.device, model: nn.Module
 ) -> tuple[Precision, str]:
@@ -62,6 +66,13 @@ def resolve_mixed_precision(
         return Precision.NO, off
     if requested is not None:
         return requested, f"mixed precision {requested} requested by the caller"
+    wide = sorted({str(p.dtype) for p in model.parameters() if p.dtype in _DOUBLE_PRECISION})
+    if wide:
+        return Precision.NO, (
+            f"mixed precision off (auto): parameters are {', '.join(wide)}, a precision the "
+            f"caller chose (FSDP2's bf16 parameters would compute them in bf16; autocast leaves "
+            f"them as they are)"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():  # a what-if plan for GPUs
         planned = "mixed precision bf16 (auto): planned for GPUs of capability 8.0 or newer"
         return Precision.BF16, planned
