@@ -120,7 +120,10 @@ def run(call: Call, target: Target) -> tuple[Decision, Work]:
         return _run(call, target)
 
 
-def _run(call: Call, target: Target) -> tuple[Decision, Work]:
+def _run(call: Call, target: Target, search_batch: bool = True) -> tuple[Decision, Work]:
+    """`run`; where nothing fits, the largest batch that would is searched with `search_batch`
+    (`largest_batch`), and under "auto" mixed precision that made sharded candidates fail, the
+    decision is made again without it (`_without_precision`)."""
     here: dict[str, _Gathered] = {}
 
     def gather_here() -> RankReport:
@@ -168,10 +171,35 @@ def _run(call: Call, target: Target) -> tuple[Decision, Work]:
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
     except DoesNotFit as error:
-        if not error.tried or target.probe:
+        if not error.tried or target.probe or not search_batch:
             raise
-        raise error.with_batch(*largest_batch(call, target, error)) from None
-    return decision, gathered.work
+        failed = error
+    else:
+        return decision, gathered.work
+    if failed.precision_failed and gathered.work.request.mixed_precision is None:
+        try:
+            return _without_precision(call, target, gathered.mixed_precision, failed)
+        except DoesNotFit:
+            pass  # the error under mixed precision says what would help
+    raise failed.with_batch(*largest_batch(call, target, failed)) from None
+
+
+def _without_precision(
+    call: Call, target: Target, chosen: Precision, failed: DoesNotFit
+) -> tuple[Decision, Work]:
+    """The decision made again without mixed precision, where "auto" chose `chosen` and nothing
+    fit under it, some strategies failing because of it (`DoesNotFit.precision_failed`): every
+    rank alike, as every rank met the same failure. Its plan says why precision is off."""
+    off = replace(call, options=call.options | {"mixed_precision": Precision.NO})
+    decision, work = _run(off, target, search_batch=False)
+    requested = f"mixed precision {Precision.NO} requested by the caller"
+    why = (
+        f"mixed precision off (auto chose {chosen}): under it {failed.precision_failed} failed "
+        f"(their step, as the planning simulation ran it, refuses {chosen}) and no other "
+        f"candidate fit; without it {decision.plan.strategy} fits"
+    )
+    reasons = tuple(why if r == requested else r for r in decision.plan.reasons)
+    return replace(decision, plan=replace(decision.plan, reasons=reasons)), work
 
 
 def gather(call: Call, target: Target) -> _Gathered:

@@ -248,3 +248,48 @@ def test_a_kernel_that_refuses_the_low_precision_dtype_names_mixed_precision_off
     with pytest.raises(RuntimeError, match=forced):
         _plan(model, mixed_precision="bf16", strategy="full_shard")
     assert Strategy.FULL_SHARD in {c.strategy for c in _plan(model).candidates}
+
+
+class WideUpcasts(nn.Module):
+    """UpcastsForItsHead's fp32 head behind wide blocks and a small batch: parameters and
+    optimizer state, which FSDP2 shards, dominate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.head = nn.Linear(256, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return nn.functional.linear(x.float(), self.head.weight, self.head.bias).square().mean()
+
+
+def test_auto_turns_mixed_precision_off_where_only_a_candidate_it_fails_would_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held-out sweep's diffusion UNet (a timestep embedding made in fp32 in the forward):
+    under "auto" bf16 its FSDP2 candidates fail, DDP needed more than the limit, and the plan
+    was refused, though FULL_SHARD without mixed precision fit. Now decided again in fp32."""
+    from autoshard.measure import facts
+
+    monkeypatch.setattr(facts, "_cpu_has_native_bf16", lambda: True)  # auto: bf16, on any CPU
+    model = WideUpcasts()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(8, 256)
+
+    def plan(mixed_precision: str, **kwargs: object) -> autoshard.Plan:
+        return autoshard.plan(
+            model, optimizer, batch, world_size=4, mixed_precision=mixed_precision, **kwargs
+        )
+
+    full_shard = next(c for c in plan("no").candidates if c.strategy == Strategy.FULL_SHARD)
+    ddp = next(c for c in plan("bf16").candidates if c.strategy == Strategy.DDP)
+    limit = full_shard.estimated_peak_bytes + full_shard.reserve_bytes + 4096
+    assert limit < ddp.estimated_peak_bytes  # only FULL_SHARD, in fp32, fits
+    chosen = plan("auto", memory_limit=limit)
+    assert chosen.strategy == Strategy.FULL_SHARD and chosen.mixed_precision == "no", chosen
+    why = next(r for r in chosen.reasons if r.startswith("mixed precision off (auto chose bf16)"))
+    assert "FULL_SHARD, SHARD_GRAD_OP failed" in why and "FULL_SHARD fits" in why, why
+    with pytest.raises(autoshard.DoesNotFit, match="would run with mixed_precision='no'"):
+        plan("bf16", memory_limit=limit)  # asked for: obeyed, and refused

@@ -38,6 +38,9 @@ class DoesNotFit(ValueError):
         self.host_usable = host_usable
         # the largest per-rank batch that would fit (`with_batch`); None: not searched, or none
         self.largest_batch: int | None = None
+        # the strategies not offered for a failure mixed precision caused
+        # (`crashes.caused_by_precision`), which might fit without it (`pipeline`), or None
+        self.precision_failed: str | None = None
 
     def with_batch(self, largest: int | None, how: str) -> DoesNotFit:
         """This error with the largest per-rank batch that would fit said (`pipeline`)."""
@@ -50,6 +53,7 @@ class DoesNotFit(ValueError):
             f"{self} {said}: {how}.", self.missing_bytes, (), self.usable, self.host_usable
         )
         error.largest_batch = largest
+        error.precision_failed = self.precision_failed
         return error
 
     @classmethod
@@ -76,7 +80,7 @@ class DoesNotFit(ValueError):
                 f"the offloaded state, and {human(inputs.host_usable_bytes or 0)} is available: "
                 f"{human(host_missing)} missing"
             )
-        return cls(
+        error = cls(
             f"no strategy fits: the most frugal candidate, {best.strategy} with "
             f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
             f"Every rung weighed, with what it needs per rank: {_rungs(inputs, tried)}. "
@@ -89,6 +93,20 @@ class DoesNotFit(ValueError):
             inputs.usable_bytes,
             inputs.host_usable_bytes,
         )
+        error.precision_failed = _precision_failed(inputs)
+        return error
+
+
+def _precision_failed(inputs: PlanInputs) -> str | None:
+    """The strategies not offered for a failure mixed precision caused, as "FULL_SHARD,
+    SHARD_GRAD_OP", or None."""
+    from autoshard.decide.crashes import caused_by_precision
+    from autoshard.decide.precision import Precision
+
+    if inputs.mixed_precision is Precision.NO:
+        return None
+    failed = sorted({str(s) for (s, _), e in inputs.crashed.items() if caused_by_precision(e)})
+    return ", ".join(failed) or None
 
 
 def _rungs(inputs: PlanInputs, tried: Sequence[Candidate]) -> str:
