@@ -67,7 +67,7 @@ from autoshard.measure.fake import caches_emptied, simulated_on
 from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.rates import with_model_rate
 from autoshard.measure.simulated import with_simulation
-from autoshard.strategies.engines import layer_drop, sparse_gradients
+from autoshard.strategies.engines import cannot_shard, layer_drop
 from autoshard.strategies.recipes import Engine, Job, available, recipe
 from autoshard.strategies.strategy import Strategy
 
@@ -162,12 +162,9 @@ def _run(call: Call, target: Target, search_batch: bool = True) -> tuple[Decisio
             f"under DDP, find_unused_parameters=True; FSDP2, whose collectives every rank must "
             f"join, is not weighed"
         )
-    sparse = sparse_gradients(call.model)
-    if sparse is not None:
-        reasons.append(
-            f"{sparse} makes sparse gradients, which FSDP2's reduce-scatter cannot take: FSDP2 "
-            f"is not weighed"
-        )
+    unshardable = cannot_shard(call.model, call.optimizer)
+    if unshardable is not None:
+        reasons.append(f"{unshardable}: FSDP2 is not weighed")
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
     except DoesNotFit as error:
@@ -306,7 +303,7 @@ def _simulated(
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
     inputs = with_device(with_host(inputs, reports), reports)
-    job = _job(target, num_nodes, drop, sparse_gradients(gathered.work.model))
+    job = _job(target, num_nodes, drop, cannot_shard(gathered.work.model, gathered.work.optimizer))
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)
@@ -417,9 +414,12 @@ def skips_layers(model: nn.Module, reports: list[RankReport]) -> str | None:
     return None
 
 
-def _job(target: Target, num_nodes: int, drop: str | None = None, sparse: str | None = None) -> Job:
+def _job(
+    target: Target, num_nodes: int, drop: str | None = None, unshardable: str | None = None
+) -> Job:
     """What decides which strategies the target can use (`strategies.recipes.available`):
-    `drop` where the model skips layers at random, `sparse` where it makes sparse gradients."""
+    `drop` where the model skips layers at random, `unshardable` where FSDP2 cannot train the
+    model and optimizer (`cannot_shard`)."""
     return Job(
         target.world_size,
         target.distributed,
@@ -427,7 +427,7 @@ def _job(target: Target, num_nodes: int, drop: str | None = None, sparse: str | 
         target.device.type,
         own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
         skips_layers=drop,
-        sparse_gradients=sparse,
+        cannot_shard=unshardable,
     )
 
 

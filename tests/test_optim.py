@@ -292,3 +292,60 @@ def test_unknown_optimizer_is_assumed_to_hold_two_states_and_says_so() -> None:
     step_once(model, optimizer)
     # Difference: this optimizer really holds one buffer, so the assumption is conservative here.
     assert real_state_bytes(optimizer) == (1 * numel(params) * FP32, 0)
+
+
+def test_adafactor_holds_a_factored_second_moment() -> None:
+    """torch.optim.Adafactor keeps a row and a column per matrix and a full state per vector:
+    assumed two full states before, a held-out sweep's MLP read +86% against its measured peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 2), nn.Conv1d(2, 3, 5))
+    optimizer = torch.optim.Adafactor(model.parameters())
+    total, reason = optimizer_state_bytes(optimizer)
+    assert reason == "Adafactor: a row and a column per matrix, a full state per vector"
+    x = torch.randn(3, 8)
+    model[3](model[:3](x).unsqueeze(-1).expand(3, 2, 7)).sum().backward()
+    optimizer.step()
+    full, scalar = real_state_bytes(optimizer)
+    assert total == full + scalar
+    assert full == ((6 + 8) + 6 + (2 + 6) + 2 + (3 * 2 + 3 * 5) + 3) * FP32  # rows, columns, bias
+
+
+def test_adafactor_is_not_sharded(one_rank_group: None) -> None:
+    """Its step fails on FSDP2's sharded parameters (torch 2.11 to 2.15): a held-out sweep's
+    forced FULL_SHARD raised in the trial step, and under a limit auto chose it. The plan now
+    leaves FSDP2 out; real FSDP2 fails as the rule says."""
+    from torch.distributed.fsdp import fully_shard
+
+    import autoshard
+    from autoshard import Strategy
+
+    model = make_model()
+    optimizer = torch.optim.Adafactor(model.parameters())
+    batch = torch.randn(4, 8)
+    plan = autoshard.plan(
+        model,
+        optimizer,
+        batch,
+        loss_fn=lambda out, _: out.square().mean(),
+        world_size=2,
+        mixed_precision="no",
+    )
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
+    assert any(r.startswith("torch's Adafactor step fails on FSDP2's") for r in plan.reasons)
+    with pytest.raises(ValueError, match="strategy FULL_SHARD cannot train this job: torch's"):
+        autoshard.plan(
+            model,
+            optimizer,
+            batch,
+            loss_fn=lambda out, _: out.square().mean(),
+            world_size=2,
+            strategy="full_shard",
+        )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    sharded = torch.optim.Adafactor(model.parameters())
+    model(batch).square().mean().backward()
+    with pytest.raises(RuntimeError, match="aten.pow_.Scalar: in-place operations"):
+        sharded.step()

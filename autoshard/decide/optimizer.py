@@ -36,6 +36,8 @@ _STATES_PER_PARAM = {
     "ASGD": lambda g: 1,  # ax (eta and mu are scalars)
     "SGD": _sgd,
     "RMSprop": _rmsprop,
+    # a factored second moment (`_factored_bytes`): about one state's traffic, far less memory
+    "Adafactor": lambda g: 1,
 }
 _ASSUMED_STATES = 2
 # Scalar state per parameter, in bytes: `step` (fp32) for most; NAdam adds `mu_product`, ASGD keeps
@@ -147,13 +149,31 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     for group in optimizer.param_groups:
         states = rule(group) if rule is not None else _ASSUMED_STATES
         for param in group["params"]:
-            if param.requires_grad:
+            if not param.requires_grad:
+                continue
+            if known == "Adafactor":
+                total += _factored_bytes(param) + scalars
+            else:
                 total += states * param.numel() * param.element_size() + scalars
     if rule is None:
         return total, f"{name}: unknown optimizer, assumed {_ASSUMED_STATES} states per parameter"
+    if known == "Adafactor":
+        kind = name if known == name else f"{name} (an {known})"
+        return total, f"{kind}: a row and a column per matrix, a full state per vector"
     counts = sorted({rule(g) for g in optimizer.param_groups})
     kind = name if known == name else f"{name} (a {known})"
     return total, f"{kind}: {'/'.join(map(str, counts))} state(s) per parameter"
+
+
+def _factored_bytes(param: torch.Tensor) -> int:
+    """Adafactor's second moment of `param` (torch.optim.Adafactor's `_init_group`): of a matrix
+    (or more dimensions), its mean over the last dimension and over the second-last (`row_var`,
+    `col_var`); of a vector, one of its size (`variance`)."""
+    if param.dim() < 2:
+        return param.numel() * param.element_size()
+    rows = param.numel() // param.shape[-1]
+    columns = param.numel() // param.shape[-2]
+    return (rows + columns) * param.element_size()
 
 
 def unowned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

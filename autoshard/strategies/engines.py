@@ -195,6 +195,33 @@ def sparse_gradients(model: nn.Module) -> str | None:
     return None
 
 
+# torch optimizers whose step fails on FSDP2's sharded parameters (DTensors), on every torch 2.11
+# to 2.15: Adafactor's RMS of a parameter (a norm, a partial placement) raised to a power in place
+# ("aten.pow_.Scalar: in-place operations that require placement changes are not supported")
+_NOT_ON_SHARDS = tuple(
+    getattr(torch.optim, name) for name in ("Adafactor",) if hasattr(torch.optim, name)
+)
+
+
+def cannot_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why FSDP2 cannot train `model` with `optimizer` at all, said so that the caller knows
+    what would let it, or None where it can."""
+    sparse = sparse_gradients(model)
+    if sparse is not None:
+        return (
+            f"{sparse} makes sparse gradients, which FSDP2 reduce-scatters as dense tensors "
+            f"(fsdp::chunk_cat has no sparse kernel); sparse=False would let it shard the model"
+        )
+    refused = next((c for c in _NOT_ON_SHARDS if isinstance(optimizer, c)), None)
+    if refused is not None:
+        return (
+            f"torch's {refused.__name__} step fails on FSDP2's sharded parameters (an in-place "
+            f"power of a norm's partial placement, torch 2.11 to 2.15); another optimizer would "
+            f"shard it"
+        )
+    return None
+
+
 def make_ddp(module: nn.Module, device: torch.device, find_unused: bool) -> nn.Module:
     """`DistributedDataParallel` as autoshard builds it."""
     device_ids = [device.index] if device.type == "cuda" else None

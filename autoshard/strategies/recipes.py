@@ -37,8 +37,8 @@ class Job:
     own_group: bool = False
     # Where the model skips whole layers at random in training (`engines.layer_drop`), or None
     skips_layers: str | None = None
-    # Where the model makes sparse gradients (`engines.sparse_gradients`), or None
-    sparse_gradients: str | None = None
+    # Why FSDP2 cannot train this model and optimizer at all (`engines.cannot_shard`), or None
+    cannot_shard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,19 +133,16 @@ def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
 
 
 def _sharded(check: Callable[[Job], str | None], strategy: Strategy) -> Callable[[Job], str | None]:
-    """`check`, and no FSDP2 for a model with sparse gradients (`fsdp::chunk_cat` has no sparse
-    kernel: the first step raises), nor over several ranks for one that skips layers at random:
+    """`check`, and no FSDP2 for a model or optimizer it cannot train (`Job.cannot_shard`: sparse
+    gradients, an optimizer whose step fails on sharded parameters), nor over several ranks for
+    a model that skips layers at random:
     a rank that skips a block neither gathers its parameters with the others in backward nor
     reduce-scatters its gradients, so the ranks' collectives differ (an error on gloo, a hang
     on NCCL, at the first step that skips one)."""
 
     def sharded(job: Job) -> str | None:
-        if job.sparse_gradients is not None:
-            return (
-                f"strategy {strategy} reduce-scatters every gradient as a dense tensor, but "
-                f"{job.sparse_gradients} makes a sparse one, which FSDP2 cannot reduce; use "
-                f"'ddp', or sparse=False to shard the model"
-            )
+        if job.cannot_shard is not None:
+            return f"strategy {strategy} cannot train this job: {job.cannot_shard}; use 'ddp'"
         if job.skips_layers is None or job.world_size == 1:
             return check(job)
         return (
