@@ -322,25 +322,16 @@ def test_adafactor_is_not_sharded(one_rank_group: None) -> None:
     model = make_model()
     optimizer = torch.optim.Adafactor(model.parameters())
     batch = torch.randn(4, 8)
-    plan = autoshard.plan(
-        model,
-        optimizer,
-        batch,
-        loss_fn=lambda out, _: out.square().mean(),
-        world_size=2,
-        mixed_precision="no",
-    )
-    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}
-    assert any(r.startswith("torch's Adafactor step fails on FSDP2's") for r in plan.reasons)
+
+    def plan(**options: object) -> autoshard.Plan:
+        loss = lambda out, _: out.square().mean()  # noqa: E731
+        return autoshard.plan(model, optimizer, batch, loss_fn=loss, world_size=2, **options)
+
+    chosen = plan(mixed_precision="no")
+    assert {c.strategy for c in chosen.candidates} == {Strategy.DDP}
+    assert any(r.startswith("torch's Adafactor step fails on FSDP2's") for r in chosen.reasons)
     with pytest.raises(ValueError, match="strategy FULL_SHARD cannot train this job: torch's"):
-        autoshard.plan(
-            model,
-            optimizer,
-            batch,
-            loss_fn=lambda out, _: out.square().mean(),
-            world_size=2,
-            strategy="full_shard",
-        )
+        plan(strategy="full_shard")
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
