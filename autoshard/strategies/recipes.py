@@ -135,10 +135,9 @@ def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
 def _sharded(check: Callable[[Job], str | None], strategy: Strategy) -> Callable[[Job], str | None]:
     """`check`, and no FSDP2 for a model or optimizer it cannot train (`Job.cannot_shard`: sparse
     gradients, an optimizer whose step fails on sharded parameters), nor over several ranks for
-    a model that skips layers at random:
-    a rank that skips a block neither gathers its parameters with the others in backward nor
-    reduce-scatters its gradients, so the ranks' collectives differ (an error on gloo, a hang
-    on NCCL, at the first step that skips one)."""
+    a model that skips layers at random: a rank that skips a block neither gathers its
+    parameters with the others in backward nor reduce-scatters its gradients, so the ranks'
+    collectives differ (an error on gloo, a hang on NCCL, at the first step that skips one)."""
 
     def sharded(job: Job) -> str | None:
         if job.cannot_shard is not None:
