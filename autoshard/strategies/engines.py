@@ -212,6 +212,21 @@ def cannot_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | No
             f"{sparse} makes sparse gradients, which FSDP2 reduce-scatters as dense tensors "
             f"(fsdp::chunk_cat has no sparse kernel); sparse=False would let it shard the model"
         )
+    renormed = next(
+        (
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
+        ),
+        None,
+    )
+    if renormed is not None:
+        return (
+            f"'{renormed}' (max_norm={model.get_submodule(renormed).max_norm}) renormalises its "
+            f"weight in place in the forward, which under FSDP2 writes to the gathered copy and "
+            f"is lost, silently (the shard keeps the old rows); max_norm=None would let it shard "
+            f"the model"
+        )
     refused = next((c for c in _NOT_ON_SHARDS if isinstance(optimizer, c)), None)
     if refused is not None:
         return (
