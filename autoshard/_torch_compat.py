@@ -395,16 +395,18 @@ _GROUP_FIELDS = (
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """torch's pytree map, which also maps into the dataclass instances pytree leaves whole (a
-    batch or an output given as a @dataclass that nobody registered with pytree): each field
-    mapped, on a shallow copy, the instance itself never given to `fn`."""
+    batch or an output given as a @dataclass that nobody registered with pytree) where `fn`
+    leaves one as it is: each field mapped, on a shallow copy. (Where `fn` makes something else
+    of it, as autoshard's own dataclasses are turned back into tensors, that is the answer.)"""
 
     def leaf(x: Any) -> Any:
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            mapped = copy.copy(x)
-            for field in dataclasses.fields(x):
-                object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
+        mapped = fn(x)
+        if mapped is not x or not dataclasses.is_dataclass(x) or isinstance(x, type):
             return mapped
-        return fn(x)
+        mapped = copy.copy(x)
+        for field in dataclasses.fields(x):
+            object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
+        return mapped
 
     return _pytree_map(leaf, tree)
 
