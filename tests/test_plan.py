@@ -989,3 +989,22 @@ def test_an_embedding_renormalised_in_the_forward_is_not_sharded() -> None:
     assert any(r.startswith("'table' (max_norm=1.0) renormalises") for r in plan.reasons)
     with pytest.raises(ValueError, match="strategy FULL_SHARD cannot train this job: 'table'"):
         autoshard.plan(model, optimizer, ids, world_size=2, strategy="full_shard")
+
+
+def test_parameters_another_optimizer_trains_keep_the_model_off_fsdp2() -> None:
+    """A GAN's discriminator trained by an optimizer of its own, built before prepare: FSDP2
+    replaces every parameter with its shard, and that optimizer went on updating the old ones,
+    so the discriminator never trained, silently (a held-out sweep). DDP keeps the parameters."""
+    model = _SparseTable()
+    model.table = nn.EmbeddingBag(512, 32, mode="sum")
+    optimizer = torch.optim.SGD(model.blocks[0].parameters(), lr=0.1)  # blocks.1: another's
+    ids = torch.randint(512, (8, 4))
+    plan = autoshard.plan(model, optimizer, ids, world_size=2, mixed_precision="no")
+    assert {c.strategy for c in plan.candidates} == {Strategy.DDP}, plan
+    said = "3 trainable parameter(s) are in no optimizer given to prepare (e.g. 'table.weight')"
+    assert any(r.startswith(said) for r in plan.reasons), plan.reasons
+    with torch.no_grad():
+        for p in [*model.table.parameters(), *model.blocks[1].parameters()]:
+            p.requires_grad_(False)
+    frozen = autoshard.plan(model, optimizer, ids, world_size=2, mixed_precision="no")
+    assert Strategy.FULL_SHARD in {c.strategy for c in frozen.candidates}

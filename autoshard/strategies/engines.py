@@ -227,6 +227,20 @@ def cannot_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | No
             f"is lost, silently (the shard keeps the old rows); max_norm=None would let it shard "
             f"the model"
         )
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    outside = [
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and id(param) not in optimized
+    ]
+    if outside:
+        return (
+            f"{len(outside)} trainable parameter(s) are in no optimizer given to prepare (e.g. "
+            f"'{outside[0]}'): FSDP2 replaces every parameter with its shard, so another "
+            f"optimizer built on them before prepare would update nothing, silently; one "
+            f"optimizer over every trainable parameter (or requires_grad=False on those not "
+            f"trained) would let it shard the model"
+        )
     refused = next((c for c in _NOT_ON_SHARDS if isinstance(optimizer, c)), None)
     if refused is not None:
         return (
