@@ -163,8 +163,8 @@ def _run(call: Call, target: Target, search_batch: bool = True) -> tuple[Decisio
             f"join, is not weighed"
         )
     unshardable = cannot_shard(call.model, call.optimizer)
-    if unshardable is not None:
-        reasons.append(f"{unshardable}: FSDP2 is not weighed")
+    if unshardable is not None and (target.world_size > 1 or target.device.type == "cuda"):
+        reasons.append(f"{unshardable}: FSDP2 is not weighed")  # else it never is (LOCAL alone)
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
     except DoesNotFit as error:
