@@ -162,9 +162,6 @@ def _run(call: Call, target: Target, search_batch: bool = True) -> tuple[Decisio
             f"under DDP, find_unused_parameters=True; FSDP2, whose collectives every rank must "
             f"join, is not weighed"
         )
-    unshardable = cannot_shard(call.model, call.optimizer)
-    if unshardable is not None and (target.world_size > 1 or target.device.type == "cuda"):
-        reasons.append(f"{unshardable}: FSDP2 is not weighed")  # else it never is (LOCAL alone)
     try:
         decision = _decide(call, gathered, reports, target, reasons, unused, drop)
     except DoesNotFit as error:
@@ -290,6 +287,9 @@ def _simulated(
     strategies, the job and the nodes it spans. `drop`: where the model skips layers at
     random (`layer_drop`)."""
     work, request = gathered.work, gathered.work.request
+    unshardable = cannot_shard(work.model, work.optimizer)
+    if unshardable is not None and (target.world_size > 1 or target.device.type == "cuda"):
+        reasons = [*reasons, f"{unshardable}: FSDP2 is not weighed"]  # else it never is
     blocks = [m for _, m in gathered.blocks]
     usable, usable_reason = usable_memory(reports, request.memory_limit)
     num_nodes = target.num_nodes or spanning(target.world, len({r.host for r in reports})).num_nodes
@@ -303,7 +303,7 @@ def _simulated(
     )
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
     inputs = with_device(with_host(inputs, reports), reports)
-    job = _job(target, num_nodes, drop, cannot_shard(gathered.work.model, gathered.work.optimizer))
+    job = _job(target, num_nodes, drop, unshardable)
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)

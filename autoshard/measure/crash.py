@@ -134,7 +134,7 @@ def crash_of(
     setup: Setup,
     strategy: Strategy,
     mesh: Any,
-    plain: dict[str, str | None],
+    plain: dict[str, Any],
 ) -> str | None:
     """The error a failed run's own step raises, where the plain model steps cleanly, or, for a
     sharded run under mixed precision, the plain model's forward converting a module to another
@@ -146,9 +146,8 @@ def crash_of(
         plain["error"] = fake_step(
             model, replace(setup, checkpoint_all=False), Strategy.LOCAL, mesh, conversions
         )
-        plain["converts"] = ", ".join(sorted(map(str, conversions.dtypes))) or None
-    converts = [d for d in (plain["converts"] or "").split(", ") if d]
-    others = [d for d in converts if d != str(setup.dtype)]
+        plain["converts"] = frozenset(conversions.dtypes)
+    others = sorted(str(d) for d in plain["converts"] if d != setup.dtype)
     sharded = recipe(strategy).sharded and setup.dtype is not None
     if others and sharded and not fsdp_reduces_mixed_dtypes():
         # said before FSDP2's own step fails on it (which prints a stack trace to stderr)

@@ -349,7 +349,7 @@ def simulate_all(
     results: dict[Run, Simulated] = {}
     failures: dict[Run, str] = {}
     crashed: dict[Run, str] = {}
-    plain: dict[str, str | None] = {}  # the plain model's fake step, once a run has failed
+    plain: dict[str, Any] = {}  # the plain model's fake step, once a run has failed
     try:
         context = fake_mesh(size, rank, setup.device.type)
         mesh = context.__enter__()
