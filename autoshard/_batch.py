@@ -71,7 +71,7 @@ def forward_error(model: nn.Module, batch: Any, dtype: torch.dtype | None) -> Ex
     Used where the fake trace failed, to tell a batch that does not fit the model (the real
     forward fails too) from an operation fake tensors cannot run. Nothing is changed: eval mode
     (no running statistics move), no autograd graph, the RNG restored afterwards; what the
-    forward caches on the model is the caller's to put back (`measure.fake.attributes_kept`)."""
+    forward caches on the model is the caller's to put back (`wrap.snapshot.attributes_kept`)."""
     training = {module: module.training for module in model.modules()}
     devices = {p.device for p in model.parameters()}
     cuda = [d.index or 0 for d in devices if d.type == "cuda"]

@@ -26,7 +26,7 @@ from autoshard.decide.precision import Precision
 from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import Request
 from autoshard.measure import cache
-from autoshard.measure.fake import MixedDtypes, attributes_kept, shallow_copy
+from autoshard.measure.fake import MixedDtypes, shallow_copy
 from autoshard.measure.layout import SHALLOW, Layout, repeats
 from autoshard.measure.operators import first_unlike
 from autoshard.measure.priced import most_moving
@@ -35,6 +35,7 @@ from autoshard.measure.step import autograd_on
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
 from autoshard.wrap.meter import held_bytes
+from autoshard.wrap.snapshot import attributes_kept
 
 logger = logging.getLogger("autoshard")
 

@@ -24,9 +24,10 @@ from torch import nn
 
 from autoshard._batch import split_batch
 from autoshard._torch_compat import TorchDispatchMode, tree_leaves
-from autoshard.measure.fake import attributes_kept, fake_mode, wider_fake_kernels
+from autoshard.measure.fake import fake_mode, wider_fake_kernels
 from autoshard.measure.layout import SHALLOW, Layout
 from autoshard.measure.trace import autocast_for, device_type_of, fake_state
+from autoshard.wrap.snapshot import attributes_kept
 
 # A block's operators: each operator's name with its outputs' shapes and dtypes, in order
 Operators = tuple[tuple[str, tuple[tuple[tuple[int, ...], str], ...]], ...]

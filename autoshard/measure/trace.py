@@ -52,8 +52,9 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed
-from autoshard.measure.fake import attributes_kept, fake_mode, fake_tensor, wider_fake_kernels
+from autoshard.measure.fake import fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
+from autoshard.wrap.snapshot import attributes_kept
 
 logger = logging.getLogger("autoshard")
 
