@@ -86,7 +86,8 @@ def prepare(
             True (all) or False (none).
         memory_limit: caps the usable memory per rank: bytes or a string such as "20GiB".
         trial_step: run one real training step on `example_batch` and fall back on OOM; the
-            model, optimizer and RNG are restored to what was passed in afterwards.
+            model (with the attributes its forward keeps), optimizer and RNG are restored to
+            what was passed in afterwards.
         dataloader: the training DataLoader, only checked: under several ranks a loader that
             is not sharded (see `shard_dataloader`) draws a warning, once per process.
         accumulation_steps: micro-batches (each like `example_batch`) whose gradients are

@@ -223,6 +223,10 @@ def test_trial_step_restores_everything_bitwise(
             assert r["state_diff"] == [], "optimizer state not restored bitwise"
         assert r["group_options_changed"] == []
         assert r["rng_equal"], "the CPU RNG state is what it was before prepare()"
+        assert r["attributes_kept"], "what the forward keeps on the model is as it was"
+        assert r["block_cache_kept"], "an attribute the forward set is as it was"
+        # FSDP2 registers its state-dict hooks in its first forward, the trial's: they stay
+        assert (r["state_dict_hooks"] > 0) == (strategy in FSDP), r["state_dict_hooks"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,29 +131,50 @@ def put_back_grads(module: nn.Module, kept: dict[str, torch.Tensor]) -> None:
 # What `attributes_kept` puts back: the builtin kinds, whose `clear`, `update` and slice
 # assignment do what they say (a module's registries are dicts and OrderedDicts)
 _CONTAINERS = frozenset({dict, collections.OrderedDict, collections.defaultdict, list, set})
+# nn.Module's own bookkeeping in a module's __dict__ (its registries of parameters, submodules and
+# hooks), besides the buffers' registry, which a forward may reassign like any attribute
+_MODULE_OWN = frozenset(vars(nn.Module())) - {"_buffers"}
 
 
 @contextlib.contextmanager
-def attributes_kept(model: nn.Module) -> Iterator[None]:
-    """Runs the user's own model (the trace, the operator check) and puts back every module's
-    attributes as they were: a forward on fake tensors that caches what it computed on its
-    module (a rotary table built on first call, a stored auxiliary loss) would otherwise leave a
-    fake tensor there, and the next real forward would compute on it without an error. The
-    dicts, lists and sets the modules hold (a cache keyed by length), those within them and
-    within tuples, and the registries of parameters, buffers and submodules (a buffer registered
-    in forward) are put back in place. Only containers of the builtin kinds are: a subclass may
+def attributes_kept(model: nn.Module, *, engines_run: bool = False) -> Iterator[None]:
+    """Runs the user's own model (the trace, the operator check, the trial step) and puts back
+    every module's attributes as they were: a forward on fake tensors that caches what it
+    computed on its module (a rotary table built on first call, a stored auxiliary loss) would
+    otherwise leave a fake tensor there, and the next real forward would compute on it without an
+    error; a real one leaves a counter it keeps 2 higher (the trial's two steps). The dicts,
+    lists and sets the modules hold (a cache keyed by length), those within them and within
+    tuples, and the registries of parameters, buffers and submodules (a buffer registered in
+    forward) are put back in place. Only containers of the builtin kinds are: a subclass may
     forbid `update` (transformers' `ModelOutput`, which the restore then left empty) or mean
-    something else by it. An object of another kind keeps what the forward left in it."""
+    something else by it. An object of another kind keeps what the forward left in it.
+
+    `engines_run`: the model is wrapped and the engines' own state must stay as the step left
+    it. nn.Module's registries of parameters, submodules and hooks, and the state torch's
+    composable APIs keep under "__" names, are left alone: FSDP2 swaps its gathered parameters
+    in and out of `_parameters` and registers state-dict hooks on its first forward. The
+    buffers' registry is still put back."""
     # No recursive closure: a function that calls itself is a reference cycle, and the copies
     # (the user's parameters among them) would outlive this call until the next collection,
     # after FSDP has replaced the parameters with their shards (seen: 3.3 MiB of a 26.6 MiB
     # step still held).
     kept: list[tuple[Any, Any]] = []  # (a container, a shallow copy of what it held)
+    entries: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (a __dict__, the user's entries)
     seen: set[int] = set()
-    pending: list[Any] = [vars(module) for module in model.modules()]  # plain dicts
+    pending: list[Any] = []
+    for module in model.modules():
+        attributes = vars(module)
+        if engines_run:
+            users = {k: v for k, v in attributes.items() if _users(k)}
+            entries.append((attributes, users))
+            pending.extend(users.values())
+        else:
+            pending.append(attributes)
     while pending:
         container = pending.pop()
-        if id(container) in seen:
+        if id(container) in seen or not (
+            type(container) in _CONTAINERS or isinstance(container, tuple)  # a named tuple too
+        ):
             continue
         seen.add(id(container))
         if isinstance(container, dict):
@@ -164,14 +185,14 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
         else:
             kept.append((container, container.copy()))
             inner = container
-        pending.extend(
-            value
-            for value in inner
-            if type(value) in _CONTAINERS or isinstance(value, tuple)  # a named tuple too
-        )
+        pending.extend(inner)
     try:
         yield
     finally:
+        for attributes, users in entries:
+            for name in [k for k in attributes if _users(k) and k not in users]:
+                del attributes[name]
+            attributes.update(users)
         for container, content in kept:
             if isinstance(container, list):
                 container[:] = content
@@ -179,3 +200,9 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
                 container.clear()
                 container.update(content)
         kept.clear()
+        entries.clear()
+
+
+def _users(name: str) -> bool:
+    """Whether an entry of a module's __dict__ is the user's rather than torch's own."""
+    return name not in _MODULE_OWN and not name.startswith("__")

@@ -2,7 +2,9 @@
 rank moves to the same more frugal rung; afterwards everything is put back.
 
 What the step changes is snapshotted first and restored after (`wrap.snapshot`), so training after
-`prepare` starts from exactly what the caller passed in.
+`prepare` starts from exactly what the caller passed in, down to the attributes the model's forward
+keeps on its modules (a step counter, a cache). What the forward's hooks record outside the model
+(a list a user's hook appends to) is not the model's and is not put back.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from autoshard.wrap.meter import (
     held_tensors,
     memory_cap,
 )
-from autoshard.wrap.snapshot import restore, take_snapshot
+from autoshard.wrap.snapshot import attributes_kept, restore, take_snapshot
 from autoshard.wrap.sync import ddp_sync_points, fsdp_sync_points
 
 MAX_ATTEMPTS = 4
@@ -289,7 +291,8 @@ def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
     while True:
         snapshot = take_snapshot(wrapping.module, optimizer, wrapping.world.device)
         try:
-            outcome = attempt(wrapping, work, usable)
+            with attributes_kept(wrapping.module, engines_run=True):  # a counter its forward keeps
+                outcome = attempt(wrapping, work, usable)
         except BaseException:
             # The agreement itself failed (a peer died or stalled): this rank still goes back to
             # what the caller passed in before raising.

@@ -162,11 +162,11 @@ class Net(nn.Module):
 
 
 def build(
-    width: int = 32, depth: int = 4, *, lr: float = LR, **kwargs: Any
+    width: int = 32, depth: int = 4, *, lr: float = LR, cls: type[Net] = Net, **kwargs: Any
 ) -> tuple[Net, torch.optim.AdamW]:
     """The same model and optimizer on every rank and in every reference: seeded."""
     torch.manual_seed(SEED)
-    model = Net(width, depth, **kwargs)
+    model = cls(width, depth, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
 

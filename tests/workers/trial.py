@@ -284,21 +284,27 @@ for _strategy in ("auto", "full_shard"):
 
 
 class FailingNet(Net):
-    """Net whose forward raises a ValueError on real tensors while `fail` is set."""
+    """Net whose forward raises a ValueError on real tensors while `fail` is set, and appends it to
+    `raised`, which is not the model's (the trial step puts the model's attributes back)."""
 
     fail = False
-    raised: ValueError | None = None
+
+    def __init__(self, width: int, depth: int, raised: list[ValueError]) -> None:
+        super().__init__(width, depth)
+        self.keep = raised.append  # a method, not a container: the trial leaves it alone
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.fail and not is_fake(x):  # not during prepare()'s FakeTensorMode trace
-            self.raised = ValueError(f"bad row in the batch on rank {rank()} (test)")
-            raise self.raised
+            error = ValueError(f"bad row in the batch on rank {rank()} (test)")
+            self.keep(error)
+            raise error
         return super().forward(x, y)
 
 
 def _value_error_on_rank0(strategy: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = FailingNet(WIDTH, DEPTH)
+    raised: list[ValueError] = []
+    model = FailingNet(WIDTH, DEPTH, raised)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.fail = rank() == 0
     started = time.perf_counter()
@@ -310,8 +316,8 @@ def _value_error_on_rank0(strategy: str) -> dict[str, Any]:
     return {
         "type": type(caught).__name__ if caught is not None else None,
         "message": str(caught) if caught is not None else None,
-        "is_the_raised_object": caught is not None and caught is model.raised,
-        "raised_message": str(model.raised) if model.raised is not None else None,
+        "is_the_raised_object": any(caught is error for error in raised),
+        "raised_message": str(raised[0]) if raised else None,
         "seconds": time.perf_counter() - started,
     }
 
@@ -327,15 +333,34 @@ for _strategy in ("auto", "full_shard"):
 #    gradients; with and without an OOM fallback; with a fresh optimizer and one that has state
 
 
+class KeepingNet(Net):
+    """Net whose forward keeps what user code keeps on its modules: a count of its calls, a list
+    of the batch sizes it saw, an attribute it sets on its first call, a block's cache."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+        self.rows_seen: list[int] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        self.rows_seen.append(x.shape[0])
+        self.first_rows = getattr(self, "first_rows", x.shape[0])
+        self.blocks[0].cache = {"rows": x.shape[0]}
+        return super().forward(x, y)
+
+
 def _restore(strategy: str, stateful: bool, oom: str | None) -> dict[str, Any]:
     """`oom`: None (the first rung fits), "forward" or "step" (rank 1 runs out of memory there in
     the first attempt; with "step" rank 0 has already updated its parameters, optimizer state and
     BatchNorm statistics when it learns of it)."""
     # BatchNorm: running statistics a training step updates. Dropout: the step draws from the RNG.
-    model, optimizer = build(WIDTH, DEPTH, batchnorm=True, dropout=0.1)
+    model, optimizer = build(WIDTH, DEPTH, batchnorm=True, dropout=0.1, cls=KeepingNet)
     batch = fixed_batch()
     if stateful:  # AdamW state from steps taken on the plain model, the same on both ranks
         train(model, optimizer, [fixed_batch(16)] * 2)
+    kept = (model.calls, list(model.rows_seen), vars(model).get("first_rows"))
+    cache = vars(model.blocks[0]).get("cache")  # set by the stateful steps, else absent
     names = {id(p): n for n, p in model.named_parameters()}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -391,6 +416,9 @@ def _restore(strategy: str, stateful: bool, oom: str | None) -> dict[str, Any]:
             if k != "params" and options.get(k, "<missing>") != v
         ],
         "rng_equal": torch.equal(rng, rng_after),
+        "attributes_kept": (model.calls, model.rows_seen, vars(model).get("first_rows")) == kept,
+        "block_cache_kept": vars(model.blocks[0]).get("cache") == cache,
+        "state_dict_hooks": sum(len(m._state_dict_pre_hooks) for m in model.modules()),
     }
 
 
@@ -547,16 +575,17 @@ class Output:
 
 class Outputs(Net):
     """Net returning {"logits"} (no loss), an Output with .loss, or the bare logits tensor; it
-    records the gradient each real output tensor receives in backward."""
+    records the gradient each real output tensor receives in backward into `grads`, which is not
+    the model's (what the trial step leaves in the model's own attributes is put back)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, grads: dict[str, list[torch.Tensor]]) -> None:
         super().__init__(WIDTH, DEPTH)
         self.kind = kind
-        self.grads: dict[str, list[torch.Tensor]] = {"logits": [], "loss": []}
+        self.record = grads.__getitem__  # a method, not a container: the trial leaves it alone
 
     def _watch(self, name: str, tensor: torch.Tensor) -> None:
         if not is_fake(tensor):  # not during prepare()'s FakeTensorMode trace
-            tensor.register_hook(lambda g: self.grads[name].append(g.detach().clone()))
+            tensor.register_hook(lambda g: self.record(name).append(g.detach().clone()))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
         h = self.inp(x)
@@ -575,7 +604,8 @@ class Outputs(Net):
 
 def _loss_convention(kind: str, with_loss_fn: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Outputs(kind)
+    recorded: dict[str, list[torch.Tensor]] = {"logits": [], "loss": []}
+    model = Outputs(kind, recorded)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = local_batches(1)[0]
     calls: list[dict[str, Any]] = []
@@ -613,7 +643,7 @@ def _loss_convention(kind: str, with_loss_fn: bool) -> dict[str, Any]:
             }
             for g in values
         ]
-        for name, values in model.grads.items()
+        for name, values in recorded.items()
     }
     return {**plan_info(plan), "loss_fn_calls": calls, "grads": grads}
 
