@@ -217,6 +217,25 @@ def test_model_without_trainable_parameters() -> None:
     refuses(ValueError, "no trainable parameters", model, optimizer, batch)
 
 
+@pytest.mark.parametrize("lazy", ["linear", "batchnorm"])
+def test_a_lazy_module_not_initialised_yet(lazy: str) -> None:
+    """nn.LazyLinear had no shapes: the trace failed and the error blamed the example batch."""
+    torch.manual_seed(0)
+    first = nn.LazyLinear(16) if lazy == "linear" else nn.LazyBatchNorm1d()
+    model = nn.Sequential(first, nn.Linear(16 if lazy == "linear" else 8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for call in (autoshard.prepare, autoshard.plan):
+        with pytest.raises(ValueError, match="not initialised yet") as info:
+            call(model, optimizer, torch.randn(4, 8))
+        assert "'0." in str(info.value), "names the first one"
+        assert "run the model once on a batch" in str(info.value)
+        assert "example_batch could not be run" not in str(info.value)
+    assert type(model[0]).__name__.startswith("Lazy"), "still lazy: nothing ran it"
+    model(torch.randn(4, 8))  # what the message says to do
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert autoshard.plan(model, optimizer, torch.randn(4, 8)).estimated_peak_bytes > 0
+
+
 # --- the options ---------------------------------------------------------------------------------
 
 

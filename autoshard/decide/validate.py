@@ -40,6 +40,7 @@ def check_model(model: Any, *, allow_meta: bool = False) -> None:
             "(model.module) and let autoshard choose the wrapping"
         )
     _check_not_sharded(model)
+    _check_initialised(model)
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         raise ValueError(
@@ -90,6 +91,25 @@ def _check_not_sharded(model: nn.Module) -> None:
                 f"parameter '{name}' is already a DTensor (sharded or distributed); pass the model "
                 f"with plain tensors and let autoshard distribute it"
             )
+
+
+def _check_initialised(model: nn.Module) -> None:
+    """A lazy module (nn.LazyLinear, LazyConv2d, LazyBatchNorm) has no shapes until its first
+    forward: nothing can be estimated, sharded or broadcast before then."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if is_lazy(tensor)
+    ]
+    if lazy:
+        raise ValueError(
+            f"model has {len(lazy)} parameter(s) or buffer(s) not initialised yet ('{lazy[0]}', "
+            f"of a lazy module such as nn.LazyLinear, whose shapes come from its first forward); "
+            f"run the model once on a batch (model(example_batch), under torch.no_grad()) before "
+            f"building the optimizer and calling prepare"
+        )
 
 
 def check_batch_device(batch: Any, *, request_trial: bool) -> None:
