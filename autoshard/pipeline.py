@@ -68,7 +68,7 @@ from autoshard.measure.host import host_throughput, with_host
 from autoshard.measure.rates import with_model_rate
 from autoshard.measure.simulated import with_simulation
 from autoshard.strategies.engines import cannot_shard, layer_drop
-from autoshard.strategies.recipes import Engine, Job, available, recipe
+from autoshard.strategies.recipes import Engine, Job, available, never_sharded, recipe
 from autoshard.strategies.strategy import Strategy
 
 logger = logging.getLogger("autoshard")
@@ -273,7 +273,15 @@ def _decide(
     first = plan.chosen
     rungs = all_candidates(inputs, strategies, request.strategy, forced_ac)
     names = tuple(n for n, _ in gathered.blocks)
-    return Decision(plan, first, tuple(rungs), names, plan.find_unused_parameters, num_nodes)
+    return Decision(
+        plan,
+        first,
+        tuple(rungs),
+        names,
+        plan.find_unused_parameters,
+        num_nodes,
+        inputs.unshardable,
+    )
 
 
 def _simulated(
@@ -304,6 +312,7 @@ def _simulated(
     inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
     inputs = with_device(with_host(inputs, reports), reports)
     job = _job(target, num_nodes, drop, unshardable)
+    inputs = replace(inputs, unshardable=never_sharded(job))
     available_ = available(job)
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)

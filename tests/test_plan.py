@@ -975,6 +975,26 @@ def test_a_model_with_sparse_gradients_is_not_sharded() -> None:
     assert Strategy.FULL_SHARD in {c.strategy for c in dense.candidates}
 
 
+def test_what_helps_a_job_fsdp2_cannot_train_names_no_full_shard() -> None:
+    """Nothing fits: the advice said that more ranks shrink the model's state under FULL_SHARD,
+    which this job can never use; DDP keeps the state whole on every rank."""
+    model = _SparseTable()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(512, (8, 4))
+    options = dict(world_size=2, mixed_precision="no", device_memory="16KiB")
+    with pytest.raises(DoesNotFit) as sparse:
+        autoshard.plan(model, optimizer, ids, **options)  # type: ignore[arg-type]
+    assert "under FULL_SHARD" not in str(sparse.value), sparse.value
+    assert (
+        "do not shrink with more ranks here: FSDP2 is not weighed ('table' (EmbeddingBag, "
+        "sparse=True) makes sparse gradients"
+    ) in str(sparse.value)
+    model.table.sparse = False  # the control: FSDP2 weighed, and more ranks would help
+    with pytest.raises(DoesNotFit) as dense:
+        autoshard.plan(model, optimizer, ids, **options)  # type: ignore[arg-type]
+    assert "shrink with more ranks (GPUs) under FULL_SHARD" in str(dense.value), dense.value
+
+
 def test_an_embedding_renormalised_in_the_forward_is_not_sharded() -> None:
     """`nn.Embedding(max_norm=...)` writes the rows it looks up in place (embedding_renorm_): under
     FSDP2 into the gathered copy, lost at reshard. A held-out sweep's model trained on under

@@ -85,9 +85,8 @@ class DoesNotFit(ValueError):
             f"{best.activation_checkpointing}/{inputs.num_blocks} blocks checkpointed, {need}. "
             f"Every rung weighed, with what it needs per rank: {_rungs(inputs, tried)}. "
             f"Activations are {activation_share:.0%} of its device peak (a smaller per-rank "
-            f"batch shrinks them); parameters, gradients and optimizer state shrink with more "
-            f"ranks (GPUs) under FULL_SHARD; or raise memory_limit if it is set below what the "
-            f"device has.{_not_offered(inputs)}",
+            f"batch shrinks them); {more_ranks(inputs.unshardable)}; or raise memory_limit if "
+            f"it is set below what the device has.{_not_offered(inputs)}",
             max(device_missing, host_missing),
             tried,
             inputs.usable_bytes,
@@ -95,6 +94,20 @@ class DoesNotFit(ValueError):
         )
         error.precision_failed = _precision_failed(inputs)
         return error
+
+
+def more_ranks(unshardable: str | None) -> str:
+    """What more ranks would do for parameters, gradients and optimizer state: shrink them under
+    FULL_SHARD, unless FSDP2 trains the job at no world size (`unshardable`: why)."""
+    if unshardable is None:
+        return (
+            "parameters, gradients and optimizer state shrink with more ranks (GPUs) under "
+            "FULL_SHARD"
+        )
+    return (
+        f"parameters, gradients and optimizer state do not shrink with more ranks here: FSDP2 "
+        f"is not weighed ({unshardable}), and DDP keeps them whole on every rank"
+    )
 
 
 def _precision_failed(inputs: PlanInputs) -> str | None:

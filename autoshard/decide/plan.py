@@ -70,6 +70,8 @@ class PlanInputs:
     crashed: dict[tuple[Strategy, bool], str] = field(default_factory=dict)
     # strategies (as simulated) left unsimulated: slower than a candidate that fits (not shown)
     outweighed: tuple[Strategy, ...] = ()
+    # why FSDP2 trains this job at no world size (`recipes.never_sharded`), or None
+    unshardable: str | None = None
 
     @property
     def ranks_per_node(self) -> int:

@@ -155,6 +155,17 @@ def _sharded(check: Callable[[Job], str | None], strategy: Strategy) -> Callable
     return sharded
 
 
+def never_sharded(job: Job) -> str | None:
+    """Why FSDP2 trains this job at no world size, whatever the ranks (so more ranks shrink
+    nothing per rank), or None: what FSDP2 cannot train, or layers skipped at random, which no
+    FSDP2 over several ranks is weighed for."""
+    if job.cannot_shard is not None:
+        return job.cannot_shard
+    if job.skips_layers is not None:
+        return f"the model skips layers at random in training ({job.skips_layers})"
+    return None
+
+
 def _hybrid(job: Job) -> str | None:
     if 1 < job.num_nodes <= job.world_size and job.world_size % job.num_nodes == 0:
         return _needs_group(Strategy.HYBRID_SHARD)(job)

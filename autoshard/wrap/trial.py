@@ -320,7 +320,7 @@ def prove(wrapping: Wrapping, decision: Decision, work: Work) -> TrialResult:
         if len(attempts) < MAX_ATTEMPTS:
             following = next_rung(options, current, tried, usable, outcome.peak)
         if following is None:
-            raise _exhausted(attempts, current, usable)
+            raise _exhausted(attempts, current, usable, decision.unshardable)
         apply(wrapping, optimizer, following.strategy, following.activation_checkpointing)
         current = following
 
@@ -361,8 +361,10 @@ def _note_non_finite(wrapping: Wrapping, losses: list[float]) -> None:
     warnings.warn(note, RuntimeWarning, stacklevel=4)
 
 
-def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Exception:
-    from autoshard.decide.fit import DoesNotFit
+def _exhausted(
+    attempts: list[Attempt], last: Candidate, usable: int, unshardable: str | None
+) -> Exception:
+    from autoshard.decide.fit import DoesNotFit, more_ranks
 
     tried = "; ".join(map(str, attempts))
     activations = last.footprint.activations / max(last.estimated_peak_bytes, 1)
@@ -371,7 +373,7 @@ def _exhausted(attempts: list[Attempt], last: Candidate, usable: int) -> Excepti
         f"{last.strategy} with {last.activation_checkpointing} block(s) checkpointed, was "
         f"estimated at {human(last.estimated_peak_bytes)} per rank against {human(usable)} "
         f"usable. Activations were {activations:.0%} of that estimate (a smaller per-rank batch "
-        f"shrinks them); more ranks shrink parameters, gradients and optimizer state under "
-        f"FULL_SHARD; or raise memory_limit if it is set below what the device has.",
+        f"shrinks them); {more_ranks(unshardable)}; or raise memory_limit if it is set below "
+        f"what the device has.",
         missing_bytes=None,
     )
