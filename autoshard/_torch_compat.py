@@ -670,6 +670,14 @@ def as_fake(fake_mode: Any, tensor: torch.Tensor, device: torch.device) -> Any:
     return resolve("FakeTensor")(fake_mode, tensor, device)
 
 
+def fake_empty(fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> Any:
+    """A new fake tensor of `fake_mode`, of this shape and dtype on `device`, for a fake kernel
+    (`fake_kernel`) whose output's size it decides itself."""
+    with resolve("in_kernel_invocation_manager")(fake_mode):
+        out = torch.empty(shape, dtype=dtype, device="meta")
+    return resolve("FakeTensor")(fake_mode, out, device)
+
+
 def grouped_mm_output(fake_mode: Any, mat_a: Any, mat_b: Any, offs: Any, out_dtype: Any) -> Any:
     """A fake tensor of the shape and dtype torch's meta kernel gives `_grouped_mm`'s output."""
     create = resolve("_create_grouped_mm_output_tensor")

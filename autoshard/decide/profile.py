@@ -94,6 +94,10 @@ class ActivationProfile:
         answers: for a step measured on real tensors, the yes/no values it read back from its
             tensors, by the place in the code that read them (`measure.answers`): the
             simulation answers them alike.
+        nonzero_found: for a step measured on real tensors, what `nonzero` found at each place
+            in the code it ran (`torch.where(mask)`): (place, elements found, elements
+            searched), over the steps measured; the simulation's `nonzero` finds that share
+            of its input there (`measure.answers.finding`).
         random_reads: where the step read back a uniform draw, or its comparison with a bound
             inside (0, 1), and what: "torch.rand() < 0.1" (`measure.answers.Draws`). It then
             branches at random, as layers skipped at random (LayerDrop) do.
@@ -128,6 +132,7 @@ class ActivationProfile:
     compute_dtype: torch.dtype
     unused_parameters: tuple[str, ...] = ()
     answers: tuple[tuple[str, bool], ...] = ()
+    nonzero_found: tuple[tuple[str, int, int], ...] = ()
     random_reads: tuple[tuple[str, str], ...] = ()
     flops_by_own_formula: tuple[str, ...] = ()
     flops_uncounted: tuple[str, ...] = ()

@@ -476,6 +476,10 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         compute_dtype=dtype,
         unused_parameters=tuple(map(_str, value["unused_parameters"])),
         answers=tuple((_str(place), bool(answer)) for place, answer in value["answers"]),
+        nonzero_found=tuple(
+            (_str(place), _int(found), _int(searched))
+            for place, found, searched in value["nonzero_found"]
+        ),
         random_reads=tuple((_str(place), _str(what)) for place, what in value["random_reads"]),
         flops_by_own_formula=tuple(map(_str, value["flops_by_own_formula"])),
         flops_uncounted=tuple(map(_str, value["flops_uncounted"])),

@@ -117,7 +117,10 @@ def _step(
     # as the simulation runs it (fp32 torch._grouped_mm, the real step's answers)
     with (
         wider_fake_kernels(
-            setup.device.type, dict(setup.answers), (setup.trains_on or setup.device).type
+            setup.device.type,
+            dict(setup.answers),
+            (setup.trains_on or setup.device).type,
+            setup.nonzero_found,
         ),
         mode,
     ):

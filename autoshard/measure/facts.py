@@ -410,6 +410,11 @@ def _measured_for_real(
                 if profile.answers
                 else ""
             )
+            if profile.nonzero_found:
+                answered += (
+                    f"; its nonzero (torch.where) at {len(profile.nonzero_found)} place(s) finds "
+                    f"the share of its input that step found there"
+                )
             return Measured(
                 profile,
                 f"{failed}; its activations were {how} "

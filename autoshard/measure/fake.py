@@ -34,7 +34,7 @@ from autoshard._torch_compat import (
     resolve,
     tree_map,
 )
-from autoshard.measure.answers import READ_BACK, answering, decided_draws
+from autoshard.measure.answers import NONZERO, READ_BACK, answering, decided_draws, finding
 
 
 def fake_mode() -> Any:
@@ -104,13 +104,18 @@ def _short(dtype: torch.dtype) -> str:
 
 @contextlib.contextmanager
 def wider_fake_kernels(
-    device_type: str, answers: Mapping[str, bool] | None = None, trains_on: str | None = None
+    device_type: str,
+    answers: Mapping[str, bool] | None = None,
+    trains_on: str | None = None,
+    found: tuple[tuple[str, int, int], ...] = (),
 ) -> Iterator[None]:
     """Fake-tensor kernels for operations whose fake version refuses what the real one runs,
     installed only while a trace or simulation runs (DESIGN.md section 3).
 
     With `answers` (`ActivationProfile.answers`), a boolean read back from a fake tensor where
-    the real step read it is answered as the real step answered it (`measure.answers`).
+    the real step read it is answered as the real step answered it (`measure.answers`); with
+    `found` (`ActivationProfile.nonzero_found`), `nonzero` finds where the real step ran it the
+    share of its input the real step found there.
 
     `torch._grouped_mm` (transformers 5 runs mixture-of-experts layers through it): its meta
     kernel in torch 2.13 requires bf16 inputs (the CUDA kernel's constraint), while the CPU
@@ -138,6 +143,8 @@ def wider_fake_kernels(
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
         if answers and READ_BACK is not None:
             stack.enter_context(fake_kernel(READ_BACK, answering(answers)))
+        if found:
+            stack.enter_context(fake_kernel(NONZERO, finding(found)))
         yield
 
 

@@ -103,6 +103,8 @@ class Setup:
     trains_on: torch.device | None = None
     # yes/no values the real step read back, by place (`ActivationProfile.answers`)
     answers: tuple[tuple[str, bool], ...] = ()
+    # what the real step's `nonzero` found, by place (`ActivationProfile.nonzero_found`)
+    nonzero_found: tuple[tuple[str, int, int], ...] = ()
     # the trace found blocks alike in all they hold running different operators
     # (`ActivationProfile.unlike_blocks`): the model is simulated whole
     unlike_blocks: bool = False
@@ -257,7 +259,10 @@ def _run(
     )
     with (
         wider_fake_kernels(
-            setup.device.type, dict(setup.answers), (setup.trains_on or setup.device).type
+            setup.device.type,
+            dict(setup.answers),
+            (setup.trains_on or setup.device).type,
+            setup.nonzero_found,
         ),
         sharding_propagation_untracked(),
         mode,
@@ -445,6 +450,7 @@ def _digests(
             cache.describe_device(setup.trains_on or setup.device),
             setup.block_names,
             setup.answers,
+            setup.nonzero_found,
             setup.unlike_blocks,
             size,
         ]

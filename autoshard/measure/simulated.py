@@ -57,6 +57,7 @@ def with_simulation(
     here = simulated_on(device)
     dtype = inputs.mixed_precision.dtype
     answers = inputs.profile.answers if inputs.profile is not None else ()
+    found = inputs.profile.nonzero_found if inputs.profile is not None else ()
     unlike = inputs.profile is not None and inputs.profile.unlike_blocks is not None
     setup = Setup(
         block_names,
@@ -67,6 +68,7 @@ def with_simulation(
         here,
         trains_on=device,
         answers=answers,
+        nonzero_found=found,
         unlike_blocks=unlike,
     )
     # Checkpointing moves the peak later into backward, which deriving from the unchecked peak

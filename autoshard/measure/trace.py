@@ -51,7 +51,7 @@ from autoshard._torch_compat import (
     tree_map,
 )
 from autoshard.decide.profile import ActivationProfile
-from autoshard.measure.answers import Recorder, agreed
+from autoshard.measure.answers import Recorder, agreed, found_together
 from autoshard.measure.fake import fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
 from autoshard.wrap.snapshot import attributes_kept
@@ -228,6 +228,7 @@ def profile_step(
             if param.requires_grad and state[name].grad is None
         ),
         answers=tuple(recorder.answers().items()),
+        nonzero_found=recorder.found(),
         random_reads=tuple(mode.draws.random_reads.items()),
         flops_by_own_formula=tuple(taken["formulas"][0]),
         flops_uncounted=tuple(taken["formulas"][1]),
@@ -294,6 +295,7 @@ def profile_scaled(
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
+        nonzero_found=found_together([one.nonzero_found, two.nonzero_found]),
         random_reads=tuple({**dict(one.random_reads), **dict(two.random_reads)}.items()),
         flops_by_own_formula=tuple(sorted({*one.flops_by_own_formula, *two.flops_by_own_formula})),
         flops_uncounted=tuple(sorted({*one.flops_uncounted, *two.flops_uncounted})),
