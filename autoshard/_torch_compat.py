@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,9 @@ SYMBOLS: dict[str, Symbol] = {
         "torch._subclasses.fake_tensor:FakeTensorMode", "tracing and simulating without memory"
     ),
     "FakeTensor": Symbol("torch._subclasses.fake_tensor:FakeTensor", "fp32 _grouped_mm fakes"),
+    "OptimizedModule": Symbol(
+        "torch._dynamo.eval_frame:OptimizedModule", "simulating a torch.compile'd model"
+    ),
     "in_kernel_invocation_manager": Symbol(
         "torch._subclasses.fake_tensor:in_kernel_invocation_manager", "fp32 _grouped_mm fakes"
     ),
@@ -284,6 +288,17 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was made from (None: not a view)."""
     return tensor._base if tensor._is_view() else None
+
+
+def compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a `torch.compile`d model (an OptimizedModule) compiles, else None. Where
+    dynamo was never imported no model is one (and it is not imported here: it is heavy)."""
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        return None
+    if not isinstance(model, resolve("OptimizedModule")):
+        return None
+    inner: torch.nn.Module = model._orig_mod
+    return inner
 
 
 def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:

@@ -654,6 +654,36 @@ def tower() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randn(4, 8)
 
 
+def test_a_compiled_model_is_planned_and_prepared_as_the_model_it_compiles(
+    tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
+) -> None:
+    """`torch.compile(model)` hands autoshard an OptimizedModule: its blocks are found under it,
+    every estimate is the model's own, and dynamo's warning about global module hooks (the
+    trackers' during planning, printed once per rank) is not passed on. (Dynamo runs nothing
+    under autoshard's dispatch modes: no compiler is needed here.)"""
+    import warnings
+
+    model, optimizer, batch = tower
+    compiled = torch.compile(model)
+    options = dict(world_size=2, mixed_precision="no")
+    plain = autoshard.plan(model, optimizer, batch, **options)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned = autoshard.plan(compiled, optimizer, batch, **options)  # type: ignore[arg-type]
+        wrapped, _, prepared = autoshard.prepare(compiled, optimizer, batch, mixed_precision="no")
+    assert not [w for w in caught if "global hooks" in str(w.message)], [
+        str(w.message) for w in caught
+    ]
+    assert planned.num_blocks == plain.num_blocks == 4
+    assert [(c.strategy, c.estimated_peak_bytes) for c in planned.candidates] == [
+        (c.strategy, c.estimated_peak_bytes) for c in plain.candidates
+    ]
+    assert wrapped is compiled and prepared.strategy == Strategy.LOCAL
+    alone = autoshard.plan(model, optimizer, batch, world_size=1, mixed_precision="no")
+    assert prepared.estimated_peak_bytes == alone.estimated_peak_bytes
+    assert prepared.measured_peak_bytes is not None  # its trial step ran
+
+
 def test_plan_what_if_eight_ranks(
     tower: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor],
 ) -> None:

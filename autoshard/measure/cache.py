@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from autoshard._torch_compat import compiled_module
 from autoshard.decide.estimate import Phase, Simulated
 from autoshard.decide.profile import ActivationProfile, MovingCall, PricedCall
 
@@ -192,7 +193,12 @@ def _settings() -> dict[str, Any]:
 
 
 def describe_model(model: nn.Module) -> list[Any]:
-    """What the model's fake steps depend on (see the module docstring)."""
+    """What the model's fake steps depend on (see the module docstring). A `torch.compile`d
+    model is the module it compiles, marked so: dynamo's own settings, which no description
+    covers, change nothing a fake step does (it compiles nothing under a dispatch mode)."""
+    inner = compiled_module(model)
+    if inner is not None:
+        return ["torch.compile", *describe_model(inner)]
     first_name: dict[int, str] = {}
     tensors = []
     named = [

@@ -22,6 +22,9 @@ _FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 # CrossEntropyLoss there), whose parameters and buffers (none) the tracker then cannot file.
 # Printed on every plan of such a model; it says nothing about the user's training.
 _MODULE_GONE_WARNING = r"Module is None\. Skipping (PRE|POST)_BW hook\."
+# torch.compile'd models (an OptimizedModule) warn at each call while any global module hook is
+# registered, and the trackers of the trace and the simulation register theirs.
+_COMPILED_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 # FakeTensorMode logs every failed meta kernel with its traceback at ERROR level before raising;
 # autoshard catches the exception and says what it means, once.
 
@@ -34,7 +37,8 @@ class _DropAll(logging.Filter):
 @contextlib.contextmanager
 def own_runs_quiet() -> Iterator[None]:
     """Inside: FSDP2's view warning, MemTracker's warning about a module gone before its
-    backward, and fake-tensor error logs are dropped, and the excepthook
+    backward, a compiled model's warning about global hooks, and fake-tensor error logs are
+    dropped, and the excepthook
     `init_process_group` installs for a fake group (it prefixes every traceback line of the rest
     of the process with `[rank0]:`) is undone afterwards."""
     logger = logging.getLogger(FAKE_TENSOR_LOGGER)
@@ -45,6 +49,7 @@ def own_runs_quiet() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_FSDP_VIEW_WARNING, category=UserWarning)
             warnings.filterwarnings("ignore", message=_MODULE_GONE_WARNING, category=UserWarning)
+            warnings.filterwarnings("ignore", message=_COMPILED_WARNING, category=UserWarning)
             yield
     finally:
         logger.removeFilter(drop)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from torch import nn
 
+from autoshard._torch_compat import compiled_module
 from autoshard.decide.candidates import candidate, crash
 from autoshard.decide.estimate import Simulated
 from autoshard.decide.job import Work
@@ -33,7 +35,8 @@ def with_simulation(
     first; with `every`, every strategy that may be tried. With `shared` (inside a job, from
     `prepare`) every rank calls this at the same point: the simulations are shared out and
     gathered."""
-    model, optimizer, batch = work.model, work.optimizer, work.batch
+    model, block_names = uncompiled(work.model, block_names)
+    optimizer, batch = work.optimizer, work.batch
     loss_fn, request = work.loss_fn, work.request
     if batch is None:
         note = "estimates are analytic: no example_batch to simulate a step with"
@@ -229,3 +232,17 @@ def _to_checkpoint(
             )
         )
     )
+
+
+def uncompiled(model: nn.Module, block_names: list[str]) -> tuple[nn.Module, list[str]]:
+    """A `torch.compile`d model (an OptimizedModule) as the module it compiles, and the blocks'
+    names in it; any other model as it is. The compiled step is the module's own step here:
+    dynamo compiles nothing under a dispatch mode, and every fake step runs under one. torch's
+    module tracker skips what runs inside an OptimizedModule, so FSDP2's memory tracker, finding
+    no name for the sharded root, failed every FSDP2 simulation of a compiled model ("not
+    simulated: FULL_SHARD (AssertionError)"), whose estimates fell to the formulas."""
+    inner = compiled_module(model)
+    if inner is None:
+        return model, block_names
+    names = {id(module): name for name, module in inner.named_modules()}
+    return inner, [names[id(model.get_submodule(name))] for name in block_names]
