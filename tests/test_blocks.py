@@ -241,6 +241,66 @@ def test_model_without_repeated_blocks() -> None:
     assert find_blocks(Model()) == []
 
 
+class _Res(nn.Module):
+    """A residual block of a UNet written by hand: two convolutions."""
+
+    def __init__(self, channels: int, out: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, out, 3, padding=1)
+        self.conv2 = nn.Conv2d(out, out, 3, padding=1)
+
+
+class _Down(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.res = _Res(channels, channels)  # a repeated class inside a block: not a block
+        self.pool = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+
+class _HandUNet(nn.Module):
+    """Blocks held as attributes, no list: as many UNets and GAN generators are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.time = nn.Sequential(nn.Linear(4, 4), nn.SiLU())  # small, with the head's class
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.down1 = _Down(16)
+        self.down2 = _Down(16)
+        self.mid = _Res(16, 16)
+        self.up = _Res(32, 16)
+        self.head = nn.Sequential(nn.GroupNorm(4, 16), nn.Conv2d(16, 3, 1))
+
+
+def test_blocks_held_as_attributes_are_the_outermost_of_each_repeated_class() -> None:
+    """A held-out sweep's UNet had 0 blocks: nothing could be checkpointed and FSDP2 gathered
+    the whole model as one unit. Its repeated classes are its blocks now, the outermost of
+    each, in the model's order; a repeated class holding under a tenth of the largest's
+    parameters (two small Sequentials) stays in the root unit."""
+    assert names(_HandUNet()) == ["down1", "down2", "mid", "up"]
+
+
+def test_blocks_held_as_attributes_of_one_part() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Module()  # one of a kind: the repeated class is inside it
+            self.encoder.first = Other(16)
+            self.encoder.second = Other(16)
+            self.head = nn.Linear(16, 2)
+
+    assert names(Model()) == ["encoder.first", "encoder.second"]
+
+
+def test_a_list_of_blocks_comes_before_blocks_held_as_attributes() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([_Res(8, 8) for _ in range(2)])
+            self.a, self.b = _Down(8), _Down(8)
+
+    assert names(Model()) == ["layers.0", "layers.1"]
+
+
 # ---------------------------------------------------------------------------------------------
 # issue 12: blocks that make good units
 

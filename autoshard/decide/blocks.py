@@ -11,6 +11,11 @@ root FSDP unit. Two rules keep every block a unit FSDP2 can shard:
 - where one block of a list holds most of the list's parameters (a ConvNeXt-like last stage), the
   list's blocks are split into the repeated blocks inside them, so that no unit is most of the
   model.
+
+A model with no list of blocks at all, whose blocks are attributes (a UNet written by hand:
+`self.down1`, `self.down2`, `self.mid`, ...), has as blocks the outermost submodules of each class
+it repeats that are layers of their own (`_from_attributes`). Without them it had none: nothing
+could be checkpointed, and FSDP2 gathered the whole model as one unit.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def blocks_and_notes(model: nn.Module) -> tuple[Blocks, list[str]]:
         found = _repeated(_outermost_of_classes(model, set(no_split)))
     if not found:
         found = _from_containers(model)
+    if not found:
+        found = _from_attributes(model)
     return without_shared(model, found)
 
 
@@ -128,6 +135,31 @@ def _from_containers(model: nn.Module) -> Blocks:
     kept = [g for g in groups if sum(_numel(m) for _, m in g) >= _MIN_SHARE_OF_LARGEST * largest]
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted((b for g in kept for b in _split(g)), key=lambda b: order[b[0]])
+
+
+def _from_attributes(model: nn.Module) -> Blocks:
+    """The outermost submodules of each class the model repeats, where they are layers of their
+    own (a module with children and parameters: not a Linear, not a list, which has no forward
+    to wrap); a class whose instances hold less than `_MIN_SHARE_OF_LARGEST` of the largest
+    class's parameters is left in the root unit. In the model's order."""
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if module is not model
+        and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and next(module.children(), None) is not None
+        and _numel(module) > 0
+    ]
+    counts = Counter(type(m) for _, m in layers)
+    found: Blocks = []
+    for name, module in layers:  # a parent before its children: the outermost is met first
+        if counts[type(module)] > 1 and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, module))
+    sizes: Counter[type] = Counter()
+    for _, module in found:
+        sizes[type(module)] += _numel(module)
+    largest = max(sizes.values(), default=0)
+    return [(n, m) for n, m in found if sizes[type(m)] >= _MIN_SHARE_OF_LARGEST * largest]
 
 
 def _unit_of(name: str, block_names: Iterable[str]) -> str:
