@@ -29,7 +29,9 @@ of a hand-written mixture of experts to the formulas (-10.4% under DDP against i
 peak). The real steps record, at each place, how many elements `nonzero` found of how many it
 searched (`Recorder.found`); the simulation's `nonzero` then finds that share of its own input
 at the same place (`finding`): the tokens routed to an expert, in all, and the rows a mask keeps
-scale with the batch, where a count at one or two rows would not.
+scale with the batch, where a count at one or two rows would not. The share is that of the rows
+measured: a batch whose first rows keep more or fewer elements than the rest (more padding) is
+simulated as if every row were like them, as its activations are scaled from them already.
 
 A bound inside (0, 1) leaves the answer to the draw: the step branches at random, as LayerDrop
 with a probability above 0 and hand-written stochastic depth (`if torch.rand(()) < p: return x`)
