@@ -1016,8 +1016,8 @@ def test_what_helps_a_job_fsdp2_cannot_train_names_no_full_shard() -> None:
         autoshard.plan(model, optimizer, ids, **options)  # type: ignore[arg-type]
     assert "under FULL_SHARD" not in str(sparse.value), sparse.value
     assert (
-        "do not shrink with more ranks here: FSDP2 is not weighed ('table' (EmbeddingBag, "
-        "sparse=True) makes sparse gradients"
+        "do not shrink with more ranks here: FSDP2 cannot shard this job over several ranks "
+        "('table' (EmbeddingBag, sparse=True) makes sparse gradients"
     ) in str(sparse.value)
     model.table.sparse = False  # the control: FSDP2 weighed, and more ranks would help
     with pytest.raises(DoesNotFit) as dense:

@@ -106,7 +106,8 @@ def more_ranks(unshardable: str | None) -> str:
         )
     return (
         f"parameters, gradients and optimizer state do not shrink with more ranks here: FSDP2 "
-        f"is not weighed ({unshardable}), and DDP keeps them whole on every rank"
+        f"cannot shard this job over several ranks ({unshardable}), and DDP keeps them whole "
+        f"on every rank"
     )
 
 

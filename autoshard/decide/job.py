@@ -36,7 +36,7 @@ class Decision:
     block_names: tuple[str, ...]
     find_unused: bool  # some trainable parameters got no gradient on some rank's trace
     num_nodes: int  # the nodes the plan counted, which HYBRID_SHARD's mesh replicates across
-    unshardable: str | None = None  # why FSDP2 trains this job at no world size, or None
+    unshardable: str | None = None  # why FSDP2 cannot shard it over several ranks
 
 
 @dataclass(frozen=True)

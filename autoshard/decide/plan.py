@@ -70,7 +70,7 @@ class PlanInputs:
     crashed: dict[tuple[Strategy, bool], str] = field(default_factory=dict)
     # strategies (as simulated) left unsimulated: slower than a candidate that fits (not shown)
     outweighed: tuple[Strategy, ...] = ()
-    # why FSDP2 trains this job at no world size (`recipes.never_sharded`), or None
+    # why FSDP2 cannot shard this job over several ranks (`recipes.never_sharded`), or None
     unshardable: str | None = None
 
     @property

@@ -156,9 +156,8 @@ def _sharded(check: Callable[[Job], str | None], strategy: Strategy) -> Callable
 
 
 def never_sharded(job: Job) -> str | None:
-    """Why FSDP2 trains this job at no world size, whatever the ranks (so more ranks shrink
-    nothing per rank), or None: what FSDP2 cannot train, or layers skipped at random, which no
-    FSDP2 over several ranks is weighed for."""
+    """Why FSDP2 cannot shard this job over several ranks, however many (so more ranks shrink
+    nothing per rank), or None: what FSDP2 cannot train at all, or layers skipped at random."""
     if job.cannot_shard is not None:
         return job.cannot_shard
     if job.skips_layers is not None:
