@@ -128,6 +128,48 @@ def test_what_nonzero_found_is_found_in_the_same_share_in_the_fake_step() -> Non
     )
 
 
+class _Kept(nn.Module):
+    """A loss over the labels kept (-100: ignored), selected with a boolean mask or
+    masked_select, as language models' losses are written by hand."""
+
+    def __init__(self, select: str) -> None:
+        super().__init__()
+        self.select = select
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        logits, keep = self.head(x), labels != -100
+        if self.select == "mask":
+            return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+        kept = logits.masked_select(keep[..., None]).view(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(kept, labels.masked_select(keep))
+
+
+@pytest.mark.parametrize("select", ["mask", "masked_select"])
+def test_what_a_boolean_mask_selects_is_selected_in_the_same_share(select: str) -> None:
+    """Fake tensors refuse both (their output's size depends on the mask's values): no step was
+    simulated, and the formulas read +4.7% (mask) and +10.1% (masked_select) on this model."""
+    import autoshard
+
+    torch.manual_seed(0)
+    model = _Kept(select)
+    x, labels = torch.randn(4, 32, 64), torch.randint(0, 100, (4, 32))
+    labels[:, :8] = -100  # a quarter ignored
+    with Recorder() as recorder:
+        model(x[:2], labels[:2]).backward()
+    places = recorder.found()  # each line that selects: three quarters of what it searched
+    assert places and all(4 * found == 3 * searched for _, found, searched in places), places
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, _, plan = autoshard.prepare(model, optimizer, (x, labels), mixed_precision="no")
+    assert "not simulated" not in " ".join(plan.reasons), plan.reasons
+    assert plan.measured_peak_bytes is not None
+    error = plan.estimated_peak_bytes / plan.measured_peak_bytes - 1
+    assert abs(error) < 0.01, (plan.estimated_peak_bytes, plan.measured_peak_bytes)
+
+
 class _Experts(nn.Module):
     """A mixture of experts written by hand: each token's top-2 of 4 experts by a gate, the
     tokens routed to an expert found with torch.where, their outputs added back by index_add."""
@@ -177,7 +219,7 @@ def test_a_mixture_of_experts_routed_by_torch_where_is_simulated(checkpointed: i
         model, optimizer, batch, mixed_precision="no", activation_checkpointing=checkpointed
     )
     said = " ".join(plan.reasons)
-    assert "its nonzero (torch.where) at 1 place(s) finds the share" in said, plan.reasons
+    assert "torch.where or boolean mask found at 1 place(s) is found there in the same" in said
     assert "not simulated" not in said, plan.reasons
     assert plan.measured_peak_bytes is not None
     error = plan.measured_peak_bytes / plan.estimated_peak_bytes - 1

@@ -23,15 +23,17 @@ those built on meta could not be planned at all (no real values to trace), and o
 device was traced on real tensors for it.
 
 One output's size is answered as well: what `nonzero` finds (`torch.where(mask)`, the usual way to
-route tokens to experts by hand, or to pick the rows a padding mask keeps). Its count depends on
-the values, and fake tensors refuse it (`DynamicOutputShapeException`), which left every strategy
-of a hand-written mixture of experts to the formulas (-10.4% under DDP against its allocator
-peak). The real steps record, at each place, how many elements `nonzero` found of how many it
-searched (`Recorder.found`); the simulation's `nonzero` then finds that share of its own input
-at the same place (`finding`): the tokens routed to an expert, in all, and the rows a mask keeps
-scale with the batch, where a count at one or two rows would not. The share is that of the rows
-measured: a batch whose first rows keep more or fewer elements than the rest (more padding) is
-simulated as if every row were like them, as its activations are scaled from them already.
+route tokens to experts by hand, or to pick the rows a padding mask keeps), and what indexing
+with a boolean mask (`logits[labels != -100]`) and `masked_select` select. Their counts depend on
+the values, and fake tensors refuse them (`DynamicOutputShapeException`), which left every
+strategy of a hand-written mixture of experts to the formulas (-10.4% under DDP against its
+allocator peak), and a loss over the labels kept +4.7%. The real steps record, at each place, how
+many elements were found of how many searched (`Recorder.found`); the simulation's `nonzero` and
+`masked_select` then find that share of their own input at the same place (`finding`): the
+tokens routed to an expert, in all, and the rows a mask keeps scale with the batch, where a count
+at one or two rows would not. The share is that of the rows measured: a batch whose first rows
+keep more or fewer elements than the rest (more padding) is simulated as if every row were like
+them, as its activations are scaled from them already.
 
 A bound inside (0, 1) leaves the answer to the draw: the step branches at random, as LayerDrop
 with a probability above 0 and hand-written stochastic depth (`if torch.rand(()) < p: return x`)
@@ -63,6 +65,11 @@ from autoshard._torch_compat import (
 
 READ_BACK = op_overload("_local_scalar_dense")  # what `bool(tensor)` and `.item()` run
 NONZERO = torch.ops.aten.nonzero.default  # what `torch.where(mask)` and `mask.nonzero()` run
+# Indexing with a boolean mask (`logits[labels != -100]`): the real kernel finds the mask's
+# elements below the dispatcher, the fake one by calling `nonzero` on it, at the same place
+INDEX = torch.ops.aten.index.Tensor
+MASKED_SELECT = torch.ops.aten.masked_select.default
+_MASKS = (torch.bool, torch.uint8)
 # The frames that name a place in the code: the innermost ones of the model's own code, which is
 # outside torch or in torch.nn (nn.Transformer's); not autoshard's, nor torch's machinery (dispatch,
 # modes, hooks, `Module.__call__`, whose lines differ with the hooks a module has).
@@ -112,11 +119,20 @@ class Recorder(TorchDispatchMode):
         if func is READ_BACK and args[0].dtype == torch.bool:
             self._read.setdefault(asked_at(), set()).add(bool(result))
         elif func is NONZERO:
-            place = asked_at()
-            found, searched = self._found.get(place, (0, 0))
-            self._found[place] = (found + result.shape[0], searched + args[0].numel())
+            self._count(result.shape[0], args[0].numel())
+        elif func is INDEX:
+            for mask in args[1]:
+                if isinstance(mask, torch.Tensor) and mask.dtype in _MASKS:
+                    self._count(int(mask.count_nonzero()), mask.numel())
+        elif func is MASKED_SELECT:
+            self._count(result.numel(), _broadcast_numel(args[0], args[1]))
         self.draws.follow(func, args, result)
         return result
+
+    def _count(self, found: int, searched: int) -> None:
+        place = asked_at()
+        before = self._found.get(place, (0, 0))
+        self._found[place] = (before[0] + found, before[1] + searched)
 
     def answers(self) -> dict[str, bool]:
         return {place: next(iter(seen)) for place, seen in self._read.items() if len(seen) == 1}
@@ -138,9 +154,14 @@ def found_together(
     return tuple((place, *counts) for place, counts in total.items())
 
 
-def finding(found: Iterable[tuple[str, int, int]]) -> Callable[..., Any]:
-    """A fake kernel for `nonzero` (`_torch_compat.fake_kernel`): at a place where the real
-    steps ran it, an output of the share of its input's elements they found there (rounded);
+def _broadcast_numel(a: torch.Tensor, b: torch.Tensor) -> int:
+    return torch.broadcast_shapes(a.shape, b.shape).numel()
+
+
+def finding(found: Iterable[tuple[str, int, int]]) -> dict[Any, Callable[..., Any]]:
+    """Fake kernels (`_torch_compat.fake_kernel`) for `nonzero` (which the fake kernel of
+    indexing with a mask calls) and `masked_select`: at a place where the real steps found
+    elements, an output of the share of its input's elements they found there (rounded);
     elsewhere torch's own (which raises). A place not met is looked up by its line alone, as
     `answering` does."""
     found = tuple(found)
@@ -148,14 +169,21 @@ def finding(found: Iterable[tuple[str, int, int]]) -> Callable[..., Any]:
     by_line = found_together(((_line(place), n, searched),) for place, n, searched in found)
     lines = {line: n / searched for line, n, searched in by_line if searched}
 
-    def kernel(fake_mode: Any, func: Any, tensor: Any) -> Any:
+    def nonzero(fake_mode: Any, func: Any, tensor: Any) -> Any:
         share = _looked_up(shares, lines)
         if share is None:
             return NotImplemented
         rows = round(share * tensor.numel())
         return fake_empty(fake_mode, (rows, tensor.dim()), torch.long, tensor.fake_device)
 
-    return kernel
+    def masked_select(fake_mode: Any, func: Any, tensor: Any, mask: Any) -> Any:
+        share = _looked_up(shares, lines)
+        if share is None:
+            return NotImplemented
+        rows = round(share * _broadcast_numel(tensor, mask))
+        return fake_empty(fake_mode, (rows,), tensor.dtype, tensor.fake_device)
+
+    return {NONZERO: nonzero, MASKED_SELECT: masked_select}
 
 
 def agreed(runs: Iterable[Mapping[str, bool]]) -> dict[str, bool]:

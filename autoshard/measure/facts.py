@@ -412,8 +412,8 @@ def _measured_for_real(
             )
             if profile.nonzero_found:
                 answered += (
-                    f"; its nonzero (torch.where) at {len(profile.nonzero_found)} place(s) finds "
-                    f"the share of its input that step found there"
+                    f"; what its nonzero, torch.where or boolean mask found at "
+                    f"{len(profile.nonzero_found)} place(s) is found there in the same share"
                 )
             return Measured(
                 profile,

@@ -34,7 +34,7 @@ from autoshard._torch_compat import (
     resolve,
     tree_map,
 )
-from autoshard.measure.answers import NONZERO, READ_BACK, answering, decided_draws, finding
+from autoshard.measure.answers import READ_BACK, answering, decided_draws, finding
 
 
 def fake_mode() -> Any:
@@ -143,8 +143,8 @@ def wider_fake_kernels(
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
         if answers and READ_BACK is not None:
             stack.enter_context(fake_kernel(READ_BACK, answering(answers)))
-        if found:
-            stack.enter_context(fake_kernel(NONZERO, finding(found)))
+        for op, kernel in finding(found).items() if found else ():
+            stack.enter_context(fake_kernel(op, kernel))
         yield
 
 
