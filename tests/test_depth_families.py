@@ -3,8 +3,11 @@ the simulation of the whole model, for one family of each layout of blocks
 (`benchmarks/deep_families.py`; `benchmarks/depth_extension.py` runs every family, strategy and
 setting). An extension that falls short is an out-of-memory error after `prepare`.
 
-One strategy a family, the three spread over the layouts, each with activation checkpointing off
-and on; each must be extended (simulated shallow only), or the comparison proves nothing.
+One strategy a family, the three spread over the layouts; each must be extended (simulated
+shallow only), or the comparison proves nothing. Checkpointing on is asked of every layout but
+MoE every second layer, whose periods of two are checkpointed in `mixed_blocks`; off, of one
+layout of each kind (one list, periods of two, two block classes). tests/test_depth_extension.py
+holds each layout to the same, both ways, on torch-only models.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import depth_extension  # noqa: E402
 
 pytestmark = [
-    pytest.mark.slow,  # two plans a case, one of every block: 2.5 min in all on 2 cores
+    pytest.mark.slow,  # two plans a case, one of every block: 1.5 min in all on 2 idle cores
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
     # torch's module tracker, on a block freed before its backward hook ran
     pytest.mark.filterwarnings("ignore:Module is None"),
@@ -29,19 +32,24 @@ pytestmark = [
 
 TOLERANCE = depth_extension.TOLERANCE  # of the whole model's estimated peak
 
-# family: strategy (one of each layout)
-FAMILIES = {
-    "llama": "ddp",  # one list of alike blocks
-    "bart": "full_shard",  # encoder and decoder lists, of two classes
-    "qwen_moe_prefix": "shard_grad_op",  # the first two layers dense, the rest MoE
-    "qwen_moe_step2": "full_shard",  # MoE every second layer
-    "qwen2_alternating": "ddp",  # sliding and full attention alternating, one shape
-    "mixed_blocks": "shard_grad_op",  # two block classes alternating in one list
-}
+# family, strategy (one of each layout), checkpointed
+CASES = [
+    ("llama", "ddp", False),  # one list of alike blocks
+    ("llama", "ddp", True),
+    ("bart", "full_shard", True),  # encoder and decoder lists, of two classes
+    ("qwen_moe_prefix", "shard_grad_op", True),  # the first two layers dense, the rest MoE
+    ("qwen_moe_step2", "full_shard", False),  # MoE every second layer
+    ("qwen2_alternating", "ddp", True),  # sliding and full attention alternating, one shape
+    ("mixed_blocks", "shard_grad_op", False),  # two block classes alternating in one list
+    ("mixed_blocks", "shard_grad_op", True),
+]
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize(("family", "strategy"), FAMILIES.items(), ids=list(FAMILIES))
+@pytest.mark.parametrize(
+    ("family", "strategy", "checkpointed"),
+    CASES,
+    ids=[f"{f}-{'checkpointed' if c else 'plain'}" for f, _, c in CASES],
+)
 def test_the_extended_estimate_equals_the_whole_model_s(
     family: str, strategy: str, checkpointed: bool
 ) -> None:
