@@ -4,7 +4,8 @@ the cost model it calibrates (`hardware_for(..., measured=Throughput(...))`).
 
 The dry run's figures are not held to the GPU targets: on the CPU the measured peak is the live
 tensor bytes, which kernel scratch memory is missing from. What is checked is that every
-section runs and reports what it must. The dry run is marked slow: CI runs it (`--full`)."""
+section runs and reports what it must. The dry run is marked slow: CI runs it (`--full`), and
+`compat`: CI runs it on the oldest and the newest torch too (the GPU machines carry the oldest)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def _section(report: dict, name: str) -> dict:
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict, str]) -> None:
     report, markdown = dry_run
     assert report["dry_run"] is True
@@ -100,6 +102,7 @@ def test_dry_run_runs_every_section_and_writes_both_reports(dry_run: tuple[dict,
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_collects_the_gpu_tests_and_they_skip_without_cuda(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -110,6 +113,7 @@ def test_dry_run_collects_the_gpu_tests_and_they_skip_without_cuda(
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_measures_every_configuration_against_its_estimate(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -134,6 +138,7 @@ def test_dry_run_measures_every_configuration_against_its_estimate(
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_times_prepare_by_phase_for_each_model(dry_run: tuple[dict, str]) -> None:
     prepare = _section(dry_run[0], "prepare")
     rows = prepare["rows"]
@@ -226,6 +231,7 @@ def test_a_failing_row_s_message_leads_with_that_row_not_the_first() -> None:
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
     dry_run: tuple[dict, str],
 ) -> None:
@@ -238,6 +244,7 @@ def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
 
 
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
 def test_dry_run_reports_each_runtime_feature_and_the_calibration(
     dry_run: tuple[dict, str],
 ) -> None:
