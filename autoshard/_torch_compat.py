@@ -115,6 +115,10 @@ SYMBOLS: dict[str, Symbol] = {
     "_reduce_scatter_base_": Symbol(
         "torch:ops.c10d._reduce_scatter_base_", "gloo's buffers in the simulation (reduce-scatter)"
     ),
+    # Graceful where absent: the kernel's workspace is not probed (the estimate misses it).
+    "_linalg_eigh": Symbol("torch:ops.aten._linalg_eigh", "eigh's LAPACK workspace"),
+    "_linalg_svd": Symbol("torch:ops.aten._linalg_svd", "svd's LAPACK workspace"),
+    "_euclidean_dist": Symbol("torch:ops.aten._euclidean_dist", "cdist's matrix-product scratch"),
     # Graceful where absent: the simulation answers no yes/no read back (it fails as before).
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
