@@ -35,6 +35,7 @@ caching allocator; on CUDA nothing is added.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -59,15 +60,28 @@ from autoshard.wrap.meter import caller_peak_kept
 logger = logging.getLogger("autoshard")
 
 aten = torch.ops.aten
+# col2im (`F.fold`, and `F.unfold`'s backward): the CPU and the CUDA kernel alike (torch 2.11 to
+# 2.15) make the output like the input (`at::empty_like`), then resize it down to the output's
+# shape, and a storage never shrinks: the output holds a buffer the size of its input, 9 times
+# its own for 3 x 3 patches, for as long as it lives. Fake tensors run torch's decomposition,
+# whose output is its own size: a fold's forward and backward read 55% under the allocator's
+# peak, an unfold's 29%. Its output in the simulation is a view of a buffer the input's size, on
+# any device (what-if plans too); what it holds during the call (a contiguous copy of an input
+# that is not) is probed as the others' is.
+COL2IM = aten.col2im.default
+
 # Operators whose kernels allocate beyond their outputs (measured, see the module docstring):
 # convolution forward and backward (oneDNN reorders; cuDNN workspace), batch-norm backward (a
 # buffer the size of its input on CPU), the matrix exponential (its approximant's powers, see
-# `FILLERS`; also its backward's), and the decompositions LAPACK (cuSOLVER on CUDA) computes on
-# a copy of their input and a workspace of their own. Beyond their outputs, on one 256x256 fp32
-# matrix on CPU (torch 2.13), in matrices of its size: eig 3.5, pinv 3.0, eigh 2.0, cdist's
-# matrix-product form (`_euclidean_dist`) 2.0, svd 1.05, inv 1.0, qr 0.38, householder_product
-# 0.38; none of it was in the estimate (cholesky, solve, det, slogdet and cdist's direct form
-# hold nothing). Any other operator is passed through untouched.
+# `FILLERS`; also its backward's), the decompositions LAPACK (cuSOLVER on CUDA) computes on a
+# copy of their input and a workspace of their own, and kernels that copy their input. Beyond
+# their outputs, on one 256x256 fp32 matrix on CPU (torch 2.13), in matrices of its size: eig
+# 3.5, pinv 3.0, eigh 2.0, cdist's matrix-product form (`_euclidean_dist`) 2.0, svd 1.05, inv
+# 1.0, kthvalue 1.0, qr 0.38, householder_product 0.38; im2col (`F.unfold`, and fold's
+# backward) a buffer the size of its input, which it outgrows. None of it was in the estimate
+# (cholesky, solve, det, slogdet, cdist's direct form, sort, topk, median and mode hold
+# nothing; col2im's output keeps its input's buffer: `COL2IM`). Any other operator is passed
+# through untouched.
 OPERATORS = frozenset(
     op
     for op in (
@@ -85,6 +99,9 @@ OPERATORS = frozenset(
         aten.linalg_inv_ex.default,
         aten.linalg_qr.default,
         aten.linalg_householder_product.default,
+        aten.kthvalue.default,
+        aten.im2col.default,
+        COL2IM,
         getattr(aten, "cudnn_batch_norm_backward", None),
         getattr(aten, "miopen_batch_norm_backward", None),
     )
@@ -175,6 +192,12 @@ class Workspace(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns it into the local call, which comes back
+        return self._with_workspace(func, args, kwargs)
+
+    def _with_workspace(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """`func`'s result, with its workspace (measured once per distinct call) held during it;
+        where it cannot be measured, without, and the call noted."""
+        call = _col2im_into_input_buffer if func is COL2IM else func
         key = (self.device.type, str(func), describe_call(args, kwargs))
         cannot = self.cannot
         if key not in _measured and cannot is None:
@@ -184,8 +207,8 @@ class Workspace(TorchDispatchMode):
         nbytes = _measured.get(key)
         if nbytes is None:
             _unmeasured[key] = cannot or "it failed to run here"
-            return func(*args, **kwargs)
-        return _held_during(nbytes, self.device, func, args, kwargs)
+            return call(*args, **kwargs)
+        return _held_during(nbytes, self.device, call, args, kwargs)
 
 
 def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
@@ -227,6 +250,20 @@ def _held_during(nbytes: int, device: torch.device, func: Any, args: Any, kwargs
     result = func(*args, **kwargs)
     del block
     return result
+
+
+def _col2im_into_input_buffer(
+    input: torch.Tensor, output_size: Any, kernel_size: Any, *more: Any
+) -> Any:
+    """col2im's output, written into a view of a new buffer as large as its input where that is
+    larger (`COL2IM`); on the current modes' tensors: fake inside the simulation."""
+    channels = input.shape[-2] // (kernel_size[0] * kernel_size[1])
+    shape = (*input.shape[:-2], channels, *output_size)
+    numel = max(input.numel(), math.prod(shape))
+    buffer = torch.empty(numel, dtype=input.dtype, device=input.device)
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]  # contiguous
+    output = buffer.as_strided(shape, strides)
+    return COL2IM.overloadpacket.out(input, output_size, kernel_size, *more, out=output)
 
 
 def unmeasured_note(device: torch.device) -> str | None:
