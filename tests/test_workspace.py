@@ -437,8 +437,9 @@ def _holder_inputs() -> tuple[torch.Tensor, ...]:
 
 def test_kernels_holding_copies_are_counted_with_what_they_hold() -> None:
     """LAPACK works on a copy of its input, in a workspace of its own; kthvalue selects in a copy;
-    im2col and col2im copy their input: all allocated inside the kernel, where the simulation saw
-    the outputs alone (eig's peak 64% short, pinv's 75%, kthvalue's 99.8%, col2im's 89%)."""
+    im2col outgrows a buffer made like its input, and col2im's output keeps one its input's
+    size: all allocated inside the kernel, where the simulation saw the outputs alone (eig's peak
+    64% short, pinv's 75%, kthvalue's 99.8%, col2im's 89%)."""
     held = {}
     for name, call in _holders().items():
         inputs = _holder_inputs()
