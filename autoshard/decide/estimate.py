@@ -116,10 +116,10 @@ def shard_bytes(stats: ModelStats, degree: int, rank: int = 0) -> int:
     return total
 
 
-def _shards(stats: ModelStats, degree: int, rank: int) -> list[int]:
-    """Bytes of `rank`'s FSDP2 shard of each trainable parameter (`shard_bytes`)."""
+def _shards(shapes: tuple[tuple[int, int, int], ...], degree: int, rank: int) -> list[int]:
+    """Bytes of `rank`'s FSDP2 shard of a parameter of each of `shapes` (`shard_bytes`)."""
     sizes = []
-    for rows, per_row, size in stats.grad_rows:
+    for rows, per_row, size in shapes:
         chunk = -(-rows // degree)
         sizes.append(max(0, min(chunk, rows - rank * chunk)) * per_row * size)
     return sizes
@@ -136,7 +136,10 @@ def per_parameter_ratio(
     first rank holds none of a parameter the second holds, twice the ratio of their largest
     shards (the step holds between two and three copies of one parameter, for Adam's two
     intermediates and the one before them; one and two for one intermediate)."""
-    before, after = _shards(stats, *simulated), _shards(stats, *planned)
+    # each (rows, per row, element size) once: the bound is the same, and a deep model has a
+    # handful of shapes in thousands of parameters (and hundreds of candidates to bound)
+    shapes = tuple(dict.fromkeys(stats.grad_rows))
+    before, after = _shards(shapes, *simulated), _shards(shapes, *planned)
     if not before or max(before) == 0:
         return 1.0
     ratio = max((b / a for a, b in zip(before, after, strict=True) if a > 0), default=1.0)
