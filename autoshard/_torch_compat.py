@@ -63,6 +63,10 @@ SYMBOLS: dict[str, Symbol] = {
     "checkpoint": Symbol(
         "torch.distributed._composable:checkpoint", "activation checkpointing of non-HF blocks"
     ),
+    "_reparametrize_module": Symbol(
+        "torch.nn.utils.stateless:_reparametrize_module",
+        "the operator check: one block's parameters on meta inside a forward on fake tensors",
+    ),
     "FSDPMemTracker": Symbol(
         "torch.distributed._tools.fsdp2_mem_tracker:FSDPMemTracker", "simulated FSDP2 steps"
     ),
@@ -90,7 +94,8 @@ SYMBOLS: dict[str, Symbol] = {
         "torch._subclasses.fake_impls:op_implementations_checks", "fp32 _grouped_mm fakes"
     ),
     "_create_grouped_mm_output_tensor": Symbol(
-        "torch._meta_registrations:_create_grouped_mm_output_tensor", "fp32 _grouped_mm fakes"
+        "torch._meta_registrations:_create_grouped_mm_output_tensor",
+        "fp32 _grouped_mm fakes, and on meta in the operator check",
     ),
     "_EventType": Symbol(
         "torch._C._profiler:_EventType", "measuring CPU kernel workspace (profiler events)"
@@ -242,6 +247,12 @@ disable_current_modes = resolve("_disable_current_modes")
 def composable_checkpoint(module: torch.nn.Module) -> None:
     """torch's hook-based activation checkpoint (module tree and parameter names unchanged)."""
     resolve("checkpoint")(module)
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """A context in which `module`'s parameters and buffers named in `tensors` are those tensors
+    (what `torch.func.functional_call` does around its call, without calling the module)."""
+    return resolve("_reparametrize_module")(module, tensors)
 
 
 def mem_trackers() -> tuple[Any, Any]:
@@ -699,10 +710,14 @@ def fake_empty(fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, devic
 
 def grouped_mm_output(fake_mode: Any, mat_a: Any, mat_b: Any, offs: Any, out_dtype: Any) -> Any:
     """A fake tensor of the shape and dtype torch's meta kernel gives `_grouped_mm`'s output."""
-    create = resolve("_create_grouped_mm_output_tensor")
     with resolve("in_kernel_invocation_manager")(fake_mode):
-        out = create(mat_a, mat_b, offs, out_dtype)
+        out = grouped_mm_meta_output(mat_a, mat_b, offs, out_dtype)
     return resolve("FakeTensor")(fake_mode, out, mat_a.fake_device)
+
+
+def grouped_mm_meta_output(mat_a: Any, mat_b: Any, offs: Any, out_dtype: Any) -> Any:
+    """The tensor torch's meta kernel gives as `_grouped_mm`'s output, in any input dtype."""
+    return resolve("_create_grouped_mm_output_tensor")(mat_a, mat_b, offs, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

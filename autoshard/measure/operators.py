@@ -6,28 +6,43 @@ tells sliding- from global-attention layers where each layer keeps its kind. A b
 compute by its position alone: a forward that reads `self.layer_idx % 4`, a parent that calls
 every sixth block with a longer sequence. Such blocks hold the same, and a shallow copy would run
 only the first positions' kind: the extension would stand for blocks it never ran. So the whole
-model's forward runs once on fake tensors (no memory, no backward), and each block's operators
-are recorded (name, and each output's shape and dtype) with what autograd saves for backward (a
-parent checkpointing its first blocks, or running some without gradients, runs the same
-operators in them but saves otherwise: Megatron's "block" recomputation), with those the model
-runs after it before the next (a parent adding a mid-depth head after one block): every block,
-and what follows it, must run what the block one period before it ran, from the third period on
-(the first two always run in the shallow copies, so they may differ: a first layer fed by the
-embedding's dtype). What follows a list's last block (the head, the next list) is its own."""
+model's forward runs once on fake tensors (no memory, no backward), each block inside it on meta
+tensors where it can (`operators_by_block`), and each block's operators are recorded (name, and each
+output's shape and dtype) with what autograd saves for backward (a parent checkpointing its first
+blocks, or running some without gradients, runs the same operators in them but saves otherwise:
+Megatron's "block" recomputation), with those the model runs after it before the next (a parent
+adding a mid-depth head after one block): every block, and what follows it, must run what the block
+one period before it ran, from the third period on (the first two always run in the shallow copies,
+so they may differ: a first layer fed by the embedding's dtype). What follows a list's last block
+(the head, the next list) is its own."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autoshard._batch import split_batch
-from autoshard._torch_compat import TorchDispatchMode, tree_leaves
+from autoshard._torch_compat import (
+    TorchDispatchMode,
+    disable_current_modes,
+    grouped_mm,
+    grouped_mm_meta_output,
+    reparametrized,
+    tree_leaves,
+    tree_map,
+)
 from autoshard.measure.fake import fake_mode, wider_fake_kernels
 from autoshard.measure.layout import SHALLOW, Layout
 from autoshard.measure.trace import autocast_for, device_type_of, fake_state
 from autoshard.wrap.snapshot import attributes_kept
+
+logger = logging.getLogger("autoshard")
 
 # A block's operators: each operator's name with its outputs' shapes and dtypes, in order
 Operators = tuple[tuple[str, tuple[tuple[tuple[int, ...], str], ...]], ...]
@@ -79,10 +94,33 @@ def operators_by_block(
     device: torch.device | None = None,
 ) -> tuple[list[Operators], list[Operators]]:
     """The operators each of `blocks` runs in one forward of `batch`, and those run after it
-    until the next block begins, each with what autograd saved (on fake tensors, no backward:
-    no memory is used and nothing of the model changes, its attributes put back)."""
+    until the next block begins, each with what autograd saved (no backward: no memory is used
+    and nothing of the model changes, its attributes put back).
+
+    The model runs on fake tensors; each block inside it on meta tensors, its inputs and
+    weights made there and its outputs made back, since this is the check's only cost that
+    grows with depth and a meta operator costs a fraction of a fake one (no fake-tensor
+    bookkeeping, no device query per operator). Where any block cannot run on meta (a routing
+    that reads values, a tensor kept outside its parameters), every block runs on fake tensors
+    again: each block is compared with another run the same way."""
+    try:
+        return _recorded(model, blocks, batch, autocast_dtype, device, meta=True)
+    except Exception:  # noqa: BLE001 - a block that cannot run on meta; fake tensors can
+        logger.debug("the blocks could not run on meta; on fake tensors", exc_info=True)
+    return _recorded(model, blocks, batch, autocast_dtype, device, meta=False)
+
+
+def _recorded(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    autocast_dtype: torch.dtype | None,
+    device: torch.device | None,
+    meta: bool,
+) -> tuple[list[Operators], list[Operators]]:
     mode = fake_mode()
     state, fake_batch = fake_state(mode, model, batch, device)
+    device_type = device_type_of(model, device)
     recorder = _Recorder(len(blocks))
     handles = [
         hook
@@ -92,33 +130,126 @@ def operators_by_block(
             block.register_forward_hook(lambda *_, i=index: recorder.leave(i)),
         )
     ]
-    device_type = device_type_of(model, device)
     autocast = autocast_for(device_type, autocast_dtype)
+    on_meta = _OnMeta(mode, recorder, device, device_type)
     try:
         # with autograd, and what it saves recorded: a block the parent checkpoints or runs
         # without gradients by its position runs the same operators but saves otherwise
         with (
             attributes_kept(model),
+            contextlib.ExitStack() as blocks_on_meta,
             wider_fake_kernels(device_type),
             mode,
             recorder,
             torch.autograd.graph.saved_tensors_hooks(recorder.saved, _nothing),
             autocast,
         ):
+            if meta:
+                for block in {id(b): b for b in blocks}.values():
+                    blocks_on_meta.enter_context(on_meta.running(block))
             args, kwargs = split_batch(fake_batch)
             torch.func.functional_call(model, state, args, kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    if on_meta.failed is not None:  # raised inside a block, and caught by the model
+        raise on_meta.failed
     return [tuple(ran) for ran in recorder.inside], [tuple(ran) for ran in recorder.after]
+
+
+class _OnMeta:
+    """Runs blocks on meta tensors inside a forward on fake tensors: each call's inputs and the
+    block's parameters and buffers made on meta (strides, dtypes and gradients kept; an input
+    that is not a leaf stays one, so that an in-place operator on it runs), the fake mode set
+    aside while the block runs and the recorder kept, and the outputs made back as fake
+    tensors on the device of the block's (first floating-point) input. `failed`: what a block
+    raised, which makes every later block raise it too."""
+
+    def __init__(
+        self, mode: Any, recorder: _Recorder, device: torch.device | None, device_type: str
+    ) -> None:
+        self.mode, self.recorder, self.device = mode, recorder, device
+        self.autocast = _AutocastState(recorder, device_type)
+        self.failed: Exception | None = None
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id: (fake, meta)
+
+    @contextlib.contextmanager
+    def running(self, block: nn.Module) -> Iterator[None]:
+        forward = block.forward
+        own = "forward" in vars(block)
+
+        def on_meta(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._call(block, forward, args, kwargs)
+            except Exception as error:
+                self.failed = self.failed or error
+                raise
+
+        block.forward = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if own:
+                block.forward = forward  # type: ignore[method-assign]
+            else:
+                del block.forward
+
+    def _call(self, block: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if self.failed is not None:
+            raise self.failed
+        made: dict[int, torch.Tensor] = {}
+        with disable_current_modes():
+            fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = tree_map(lambda t: self._meta(t, made), (args, kwargs))
+            weights = {
+                name: self._weight(t)
+                for named in (block.named_parameters, block.named_buffers)
+                for name, t in named(remove_duplicate=False)
+            }
+            try:
+                with self.recorder, self.autocast, reparametrized(block, weights):
+                    out = forward(*inputs[0], **inputs[1])
+            finally:
+                self.recorder.autocast = None
+            floating = [t for t in fakes if t.is_floating_point()] or fakes
+            device = floating[0].device if floating else self.device or torch.device("cpu")
+            with self.mode:
+                return tree_map(lambda t: self._fake(t, device), out)
+
+    def _weight(self, tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in self.weights:  # tied weights stay one tensor
+            self.weights[id(tensor)] = (tensor, self._meta(tensor, {}))
+        return self.weights[id(tensor)][1]
+
+    @staticmethod
+    def _meta(tensor: Any, made: dict[int, torch.Tensor]) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if id(tensor) not in made:
+            meta = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"
+            ).requires_grad_(tensor.requires_grad)
+            made[id(tensor)] = meta if tensor.is_leaf else meta.clone()
+        return made[id(tensor)]
+
+    @staticmethod
+    def _fake(tensor: Any, device: torch.device) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+        fake.requires_grad_(tensor.requires_grad)
+        return fake.clone() if tensor.requires_grad and not tensor.is_leaf else fake
 
 
 class _Recorder(TorchDispatchMode):
     """Records each operator run inside a block under that block, and each run between blocks
-    under the block before."""
+    under the block before; device queries (`prim.device`, one per fake tensor an operator
+    meets) are no operators. `autocast`: the state of autocast that each operator is recorded
+    with, where set (`_AutocastState`)."""
 
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
+        self.autocast: str | None = None
         self.inside: list[list[Any]] = [[] for _ in range(n_blocks)]
         self.after: list[list[Any]] = [[] for _ in range(n_blocks)]
         self.ran: list[Any] | None = None  # where the operator run now goes; None: before any
@@ -135,15 +266,60 @@ class _Recorder(TorchDispatchMode):
             self.ran.append(("saved for backward", ((tuple(tensor.shape), str(tensor.dtype)),)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if self.ran is not None:
+        if func is _GROUPED_MM and _on_meta_in_fp32(*args, **(kwargs or {})):
+            out = _grouped_mm_output(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
+        if self.ran is not None and func is not _DEVICE:
             outputs = tuple(
                 (tuple(t.shape), str(t.dtype))
                 for t in tree_leaves(out)
                 if isinstance(t, torch.Tensor)
             )
-            self.ran.append((str(func), outputs))
+            name = str(func) if self.autocast is None else f"{func} {self.autocast}"
+            self.ran.append((name, outputs))
         return out
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
+class _AutocastState(TorchFunctionMode):
+    """Gives the recorder the state of autocast at each torch function a block on meta calls:
+    autocast does not apply to meta tensors (nor can its state be read in `__torch_dispatch__`,
+    where autocast's own dispatch has set it aside), so a block the parent runs outside autocast
+    (a first or last layer kept in fp32) would run what the others run."""
+
+    def __init__(self, recorder: _Recorder, device_type: str) -> None:
+        super().__init__()
+        self.recorder, self.device_type = recorder, device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        on = torch.is_autocast_enabled(self.device_type)
+        dtype = torch.get_autocast_dtype(self.device_type) if on else None
+        self.recorder.autocast = f"(under autocast to {dtype})" if on else None
+        return func(*args, **(kwargs or {}))
+
+
+# `torch._grouped_mm` (transformers 5's mixture-of-experts layers): its meta kernel takes bf16
+# only, the CUDA kernel's constraint, and autocast, which makes the inputs bf16 on the GPU, does
+# not apply to meta tensors. Its output is made as the fake kernel makes it (`measure.fake`).
+_GROUPED_MM = grouped_mm()
+
+
+def _on_meta_in_fp32(mat_a: torch.Tensor, mat_b: torch.Tensor, *_: Any, **__: Any) -> bool:
+    on_meta = type(mat_a) is torch.Tensor and mat_a.device.type == "meta"  # not a fake one
+    return on_meta and (mat_a.dtype, mat_b.dtype) != (torch.bfloat16, torch.bfloat16)
+
+
+def _grouped_mm_output(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return grouped_mm_meta_output(mat_a, mat_b, offs, out_dtype)
 
 
 def _first_difference(a: Operators, b: Operators) -> str:
