@@ -169,3 +169,16 @@ def test_transformers_layers_run_on_meta(family: str) -> None:
     on_meta = _verdict(built.model, built.batch, torch.bfloat16, meta=True, device=cpu)
     assert on_meta == _verdict(built.model, built.batch, torch.bfloat16, meta=False, device=cpu)
     assert on_meta is None, on_meta  # their blocks compute alike
+
+
+def test_the_benchmark_compares_both_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`benchmarks/operator_check.py` on two families: both verdicts, the blocks run on meta."""
+    pytest.importorskip("transformers")  # deep_families builds transformers models too
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import operator_check
+
+    assert operator_check.main(["--families", "zoo_mlp,mixed_blocks"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("| zoo_mlp |", "| mixed_blocks |"))]
+    assert len(rows) == 2, out
+    assert all(row.split(" | ")[2:5] == ["None", "None", "yes"] for row in rows), rows
