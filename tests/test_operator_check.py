@@ -6,6 +6,7 @@ before; a block that cannot run on meta gets the check on fake tensors, whole.""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 
 import pytest
@@ -47,6 +48,122 @@ class _Fp32ByPosition(_Stack):
             with off:
                 x = block(x)
         return self.head(x).sum()
+
+
+class _UpcastByPosition(torch.nn.Module):
+    """Every eighth block keeps its activation in fp32 (`y.float()`): under autocast that is a
+    cast, and what relu saves is twice the others'; on meta, without autocast's casts, nothing."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.layer_idx % 8 == 7:
+            y = y.float()
+        return x + torch.relu(y)
+
+
+class _AsksForMask(torch.nn.Module):
+    """Takes a mask, which every eighth block applies: a parent that passes it only to blocks
+    whose forward names it (as transformers' and diffusers' code read a signature) passes it
+    to none where the forward's signature is lost."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.linear(x)
+        if mask is not None and self.layer_idx % 8 == 7:
+            y = y * mask
+        return x + torch.relu(y)
+
+
+class _Mlp(torch.nn.Module):
+    """Its output is its linear layer's: bf16 under autocast."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.relu(x))
+
+
+class _ByPositionStackOf(_Stack):
+    def __init__(self, block: type) -> None:
+        super().__init__([False] * DEPTH)
+        self.blocks = torch.nn.ModuleList(block(i) for i in range(DEPTH))
+
+
+class _MaskBySignature(_ByPositionStackOf):
+    def __init__(self) -> None:
+        super().__init__(_AsksForMask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(x)
+        for block in self.blocks:
+            takes = "mask" in inspect.signature(block.forward).parameters
+            x = block(x, mask=mask) if takes else block(x)
+        return self.head(x).sum()
+
+
+class _ParentUpcast(_ByPositionStackOf):
+    """The parent makes the hidden state fp32 after every fourth block."""
+
+    def __init__(self) -> None:
+        super().__init__(_Mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i % 4 == 3:
+                x = x.float()
+        return self.head(x).sum()
+
+
+class _Collecting(torch.nn.Module):
+    """Every eighth block appends its output to a list the parent gave it, and the parent runs
+    a head on what was collected: on meta the block appends to a copy."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, collected: list[torch.Tensor]) -> torch.Tensor:
+        y = x + torch.relu(self.linear(x))
+        if self.layer_idx % 8 == 7:
+            collected.append(y)
+        return y
+
+
+class _CollectingStack(_ByPositionStackOf):
+    def __init__(self) -> None:
+        super().__init__(_Collecting)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        collected: list[torch.Tensor] = []
+        for block in self.blocks:
+            x = block(x, collected)
+            if collected:
+                x = x + self.head(collected.pop())
+        return self.head(x).sum()
+
+
+class _Noisy(torch.nn.Module):
+    """Adds noise made without a device (on the CPU, or where a device context says)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.linear(x)) + torch.randn(x.shape) * 0.01
 
 
 class _HoldingATensor(torch.nn.Module):
@@ -108,6 +225,9 @@ def _verdict(
         (lambda: _MidHead(DEPTH), None, "after blocks blocks.6 and blocks.7"),
         (lambda: _NoGradByPosition([False] * DEPTH), None, "blocks blocks.2 and blocks.3"),
         (lambda: _Fp32ByPosition([False] * DEPTH), torch.bfloat16, "blocks blocks.2 and"),
+        (lambda: _ByPositionStackOf(_UpcastByPosition), torch.bfloat16, "blocks.6 and blocks.7"),
+        (_ParentUpcast, torch.bfloat16, "after blocks blocks.2 and"),
+        (_MaskBySignature, None, "blocks blocks.6 and blocks.7"),
     ],
     ids=[
         "alike",
@@ -118,6 +238,9 @@ def _verdict(
         "mid_head",
         "no_grad",
         "fp32_under_autocast",
+        "upcast_under_autocast",
+        "parent_upcast_under_autocast",
+        "signature_read",
     ],
 )
 def test_blocks_on_meta_get_the_verdict_of_fake_tensors(
@@ -134,10 +257,21 @@ def test_blocks_on_meta_get_the_verdict_of_fake_tensors(
         assert on_meta is not None and expected in on_meta, on_meta
 
 
-@pytest.mark.parametrize("by_position", [False, True])
-def test_a_block_that_cannot_run_on_meta_is_checked_on_fake_tensors(by_position: bool) -> None:
-    model, batch = _holding(by_position), torch.randn(8, 64)
-    with pytest.raises(RuntimeError, match="meta"):
+@pytest.mark.parametrize(
+    ("build", "raised"),
+    [
+        (lambda: _holding(False), "meta"),
+        (lambda: _holding(True), "meta"),
+        (_CollectingStack, "changed the containers it was given"),
+    ],
+    ids=["held_tensor", "held_tensor_by_position", "collecting_by_position"],
+)
+def test_a_block_that_cannot_run_on_meta_is_checked_on_fake_tensors(
+    build: object, raised: str
+) -> None:
+    model, batch = build(), torch.randn(8, 64)  # type: ignore[operator]
+    by_position = not isinstance(model.blocks[0], _HoldingATensor) or model.blocks[0].by_position
+    with pytest.raises(RuntimeError, match=raised):
         _verdict(model, batch, None, meta=True)
     verdict = _verdict(model, batch, None, meta=None)
     assert verdict == _verdict(model, batch, None, meta=False)
@@ -145,6 +279,16 @@ def test_a_block_that_cannot_run_on_meta_is_checked_on_fake_tensors(by_position:
         assert verdict is not None and "blocks.6 and blocks.7" in verdict, verdict
     else:
         assert verdict is None
+
+
+def test_blocks_on_meta_make_no_real_tensor() -> None:
+    """A tensor a block makes without a device is made on meta: no memory, and the user's
+    random generator does not move (on fake tensors neither happens)."""
+    torch.manual_seed(0)
+    model, batch = _ByPositionStackOf(_Noisy), torch.randn(8, 64)
+    state = torch.get_rng_state()
+    assert _verdict(model, batch, None, meta=True) is None
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ so they may differ: a first layer fed by the embedding's dtype). What follows a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,7 @@ from autoshard._torch_compat import (
     grouped_mm,
     grouped_mm_meta_output,
     reparametrized,
+    tree_flatten,
     tree_leaves,
     tree_map,
 )
@@ -101,8 +103,11 @@ def operators_by_block(
     weights made there and its outputs made back, since this is the check's only cost that
     grows with depth and a meta operator costs a fraction of a fake one (no fake-tensor
     bookkeeping, no device query per operator). Where any block cannot run on meta (a routing
-    that reads values, a tensor kept outside its parameters), every block runs on fake tensors
-    again: each block is compared with another run the same way."""
+    that reads values, a tensor kept outside its parameters, a list it was given and appends
+    to), every block runs on fake tensors again: each block is compared with another run the
+    same way. What meta cannot tell apart: blocks that choose by their device (`x.is_cuda`)
+    and by their position at once; and a tensor a block caches outside the model (a global
+    table) is left there on meta, where it was left on fake tensors before."""
     try:
         return _recorded(model, blocks, batch, autocast_dtype, device, meta=True)
     except Exception:  # noqa: BLE001 - a block that cannot run on meta; fake tensors can
@@ -153,7 +158,7 @@ def _recorded(
         for handle in handles:
             handle.remove()
     if on_meta.failed is not None:  # raised inside a block, and caught by the model
-        raise on_meta.failed
+        raise RuntimeError(f"a block could not run on meta ({on_meta.failed})")
     return [tuple(ran) for ran in recorder.inside], [tuple(ran) for ran in recorder.after]
 
 
@@ -161,16 +166,19 @@ class _OnMeta:
     """Runs blocks on meta tensors inside a forward on fake tensors: each call's inputs and the
     block's parameters and buffers made on meta (strides, dtypes and gradients kept; an input
     that is not a leaf stays one, so that an in-place operator on it runs), the fake mode set
-    aside while the block runs and the recorder kept, and the outputs made back as fake
-    tensors on the device of the block's (first floating-point) input. `failed`: what a block
-    raised, which makes every later block raise it too."""
+    aside while the block runs and the recorder kept, tensors made without a device made on
+    meta (no memory, no draw from the user's random generator), autocast's casts made as it
+    makes them (`_Autocast`), and the outputs made back as fake tensors on the device of the
+    block's (first floating-point) input. `failed`: what a block raised, which makes every later
+    block raise too (kept as text: an exception would hold the frames, and through them the
+    user's parameters, in a reference cycle)."""
 
     def __init__(
         self, mode: Any, recorder: _Recorder, device: torch.device | None, device_type: str
     ) -> None:
         self.mode, self.recorder, self.device = mode, recorder, device
-        self.autocast = _AutocastState(recorder, device_type)
-        self.failed: Exception | None = None
+        self.autocast = _Autocast(device_type)
+        self.failed: str | None = None
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id: (fake, meta)
 
     @contextlib.contextmanager
@@ -178,11 +186,12 @@ class _OnMeta:
         forward = block.forward
         own = "forward" in vars(block)
 
+        @functools.wraps(forward)  # its signature kept: a parent may read it
         def on_meta(*args: Any, **kwargs: Any) -> Any:
             try:
                 return self._call(block, forward, args, kwargs)
             except Exception as error:
-                self.failed = self.failed or error
+                self.failed = self.failed or f"{type(error).__name__}: {error}"
                 raise
 
         block.forward = on_meta  # type: ignore[method-assign]
@@ -196,21 +205,29 @@ class _OnMeta:
 
     def _call(self, block: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         if self.failed is not None:
-            raise self.failed
+            raise RuntimeError(f"an earlier block could not run on meta ({self.failed})")
         made: dict[int, torch.Tensor] = {}
         with disable_current_modes():
             fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             inputs = tree_map(lambda t: self._meta(t, made), (args, kwargs))
+            given, layout = tree_flatten(inputs)
             weights = {
                 name: self._weight(t)
                 for named in (block.named_parameters, block.named_buffers)
                 for name, t in named(remove_duplicate=False)
             }
-            try:
-                with self.recorder, self.autocast, reparametrized(block, weights):
-                    out = forward(*inputs[0], **inputs[1])
-            finally:
-                self.recorder.autocast = None
+            with (
+                self.recorder,
+                self.autocast,
+                reparametrized(block, weights),
+                torch.device("meta"),
+            ):
+                out = forward(*inputs[0], **inputs[1])
+            # The containers it was given are copies: what a block put in them (a list of
+            # hidden states the parent reads, a key for the next block) its parent never sees
+            left, left_layout = tree_flatten(inputs)
+            if left_layout != layout or any(a is not b for a, b in zip(left, given, strict=True)):
+                raise RuntimeError("a block changed the containers it was given")
             floating = [t for t in fakes if t.is_floating_point()] or fakes
             device = floating[0].device if floating else self.device or torch.device("cpu")
             with self.mode:
@@ -244,12 +261,10 @@ class _OnMeta:
 class _Recorder(TorchDispatchMode):
     """Records each operator run inside a block under that block, and each run between blocks
     under the block before; device queries (`prim.device`, one per fake tensor an operator
-    meets) are no operators. `autocast`: the state of autocast that each operator is recorded
-    with, where set (`_AutocastState`)."""
+    meets) are no operators."""
 
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
-        self.autocast: str | None = None
         self.inside: list[list[Any]] = [[] for _ in range(n_blocks)]
         self.after: list[list[Any]] = [[] for _ in range(n_blocks)]
         self.ran: list[Any] | None = None  # where the operator run now goes; None: before any
@@ -276,29 +291,91 @@ class _Recorder(TorchDispatchMode):
                 for t in tree_leaves(out)
                 if isinstance(t, torch.Tensor)
             )
-            name = str(func) if self.autocast is None else f"{func} {self.autocast}"
-            self.ran.append((name, outputs))
+            self.ran.append((str(func), outputs))
         return out
 
 
 _DEVICE = torch.ops.prim.device.default
 
 
-class _AutocastState(TorchFunctionMode):
-    """Gives the recorder the state of autocast at each torch function a block on meta calls:
-    autocast does not apply to meta tensors (nor can its state be read in `__torch_dispatch__`,
-    where autocast's own dispatch has set it aside), so a block the parent runs outside autocast
-    (a first or last layer kept in fp32) would run what the others run."""
+class _Autocast(TorchFunctionMode):
+    """Autocast's casts, made for a block on meta, where autocast does not apply: where it is on,
+    the floating-point inputs (fp64 aside) of each torch function it runs in lower precision are
+    cast to its dtype, and of each it runs in fp32 to fp32, above autograd as autocast casts
+    (the casts recorded, and what autograd saves the cast tensors). Without them a block that
+    casts by its position (`y.float()` in every eighth, a branch on `y.dtype`) would run what
+    the others run. From torch's lists of autocast's operators (the amp documentation's "Autocast
+    Op Reference"), by the name of the torch function or Tensor method; a function made of
+    others (einsum of bmm) by its parts' list. Other operators run on their inputs' dtypes, as
+    autocast's "promote" ones then do."""
 
-    def __init__(self, recorder: _Recorder, device_type: str) -> None:
+    def __init__(self, device_type: str) -> None:
         super().__init__()
-        self.recorder, self.device_type = recorder, device_type
+        self.device_type = device_type
+        self.lower, self.fp32 = _AUTOCAST.get(device_type, _AUTOCAST["cuda"])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        on = torch.is_autocast_enabled(self.device_type)
-        dtype = torch.get_autocast_dtype(self.device_type) if on else None
-        self.recorder.autocast = f"(under autocast to {dtype})" if on else None
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if torch.is_autocast_enabled(self.device_type):
+            name = getattr(func, "__name__", "")
+            cast_to = (
+                torch.get_autocast_dtype(self.device_type)
+                if name in self.lower
+                else torch.float32
+                if name in self.fp32
+                else None
+            )
+            if cast_to is not None:
+                args, kwargs = tree_map(lambda t: _cast(t, cast_to), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _cast(tensor: Any, dtype: torch.dtype) -> Any:
+    eligible = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+    if not eligible or tensor.dtype in (dtype, torch.float64):
+        return tensor
+    return tensor.to(dtype)
+
+
+_LOWER = frozenset(
+    {
+        "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "addmm", "addmv",
+        "addr", "addbmm", "baddbmm", "chain_matmul", "multi_dot", "einsum", "tensordot",
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    }
+)  # fmt: skip
+_FP32_LOSSES = frozenset(
+    {
+        "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+        "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+        "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
+        "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+        "triplet_margin_loss", "multi_margin_loss", "ctc_loss", "cdist", "prod",
+    }
+)  # fmt: skip
+_AUTOCAST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "cuda": (
+        _LOWER,
+        _FP32_LOSSES
+        | {
+            "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+            "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
+            "layer_norm", "group_norm", "norm", "normalize", "cosine_similarity", "softmax",
+            "softmin", "log_softmax", "cumsum", "cumprod", "sum", "dist", "pdist", "renorm",
+            "logsumexp",
+        },
+    ),
+    "cpu": (
+        _LOWER,
+        _FP32_LOSSES
+        | {
+            "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "grid_sample", "quantile",
+            "nanquantile", "stft", "trace", "cholesky", "inverse", "pinverse",
+        },
+    ),
+}  # fmt: skip
 
 
 # `torch._grouped_mm` (transformers 5's mixture-of-experts layers): its meta kernel takes bf16
