@@ -346,7 +346,7 @@ _LOWER = frozenset(
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     }
 )  # fmt: skip
-_FP32_LOSSES = frozenset(
+_FP32_BOTH = frozenset(  # in fp32 on CUDA and on the CPU alike: losses, cdist, prod
     {
         "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
         "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
@@ -358,7 +358,7 @@ _FP32_LOSSES = frozenset(
 _AUTOCAST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cuda": (
         _LOWER,
-        _FP32_LOSSES
+        _FP32_BOTH
         | {
             "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
             "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
@@ -369,7 +369,7 @@ _AUTOCAST: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
     "cpu": (
         _LOWER,
-        _FP32_LOSSES
+        _FP32_BOTH
         | {
             "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "grid_sample", "quantile",
             "nanquantile", "stft", "trace", "cholesky", "inverse", "pinverse",
