@@ -72,8 +72,9 @@ _CHOSEN = operators.operators_by_block
 
 
 def _which(verdict: str | None) -> str | None:
-    """Which blocks differ: the verdict without the first differing operator, which is named
-    otherwise on meta (autocast's state where fake tensors show its casts)."""
+    """Which blocks differ: the verdict without the first differing operator, which may be
+    named otherwise on meta (autocast's casts made where a torch function is called, attention
+    without a fused kernel)."""
     return None if verdict is None else verdict.split(" (")[0]
 
 

@@ -1,5 +1,5 @@
 """The operator check (`measure.operators`, issue 24) runs each block on meta tensors inside a
-forward on fake tensors: its only cost that grows with depth, a quarter of what it was. Every
+forward on fake tensors: its only cost that grows with depth, about half of what it was. Every
 verdict must be the one the check gives with every block on fake tensors, which is how it ran
 before; a block that cannot run on meta gets the check on fake tensors, whole."""
 
@@ -40,7 +40,7 @@ class _NoGradByPosition(_Stack):
 
 class _Fp32ByPosition(_Stack):
     """Alike blocks, of which the parent runs every fourth outside autocast, in fp32. Autocast
-    does not apply to meta tensors: only its state, recorded with each operator, tells."""
+    does not apply to meta tensors: only its casts, made there by `operators._Autocast`, tell."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
@@ -199,8 +199,9 @@ def _verdict(
     """`operators.first_unlike` on the model's blocks: with every block on meta tensors (raises
     where one cannot run there), on fake tensors, or (None) as the check chooses. Which blocks
     differ, and how (what they run differs or what follows them); the first operator that
-    differs, named after it, is not the same on meta (autocast's state where fake tensors show
-    its casts). `device`: where a model built on meta is checked, as a plan does."""
+    differs, named after it, is not always the same on meta (autocast's casts made where a torch
+    function is called, attention without a fused kernel). `device`: where a model built on meta
+    is checked, as a plan does."""
     found = find_blocks(model)
     names, blocks = [n for n, _ in found], [b for _, b in found]
     layout = layout_module.repeats(model, names)
