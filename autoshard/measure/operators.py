@@ -179,7 +179,8 @@ class _OnMeta:
         self.mode, self.recorder, self.device = mode, recorder, device
         self.autocast = _Autocast(device_type)
         self.failed: str | None = None
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id: (fake, meta)
+        # by id: (fake, meta); the fake one kept so that its id is no other tensor's
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @contextlib.contextmanager
     def running(self, block: nn.Module) -> Iterator[None]:
