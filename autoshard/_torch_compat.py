@@ -124,6 +124,10 @@ SYMBOLS: dict[str, Symbol] = {
     "_linalg_eigh": Symbol("torch:ops.aten._linalg_eigh", "eigh's LAPACK workspace"),
     "_linalg_svd": Symbol("torch:ops.aten._linalg_svd", "svd's LAPACK workspace"),
     "_euclidean_dist": Symbol("torch:ops.aten._euclidean_dist", "cdist's matrix-product scratch"),
+    **{
+        name: Symbol(f"torch:ops.aten.{name}", "the FFT's copy of an input not laid out for it")
+        for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r")
+    },
     # Graceful where absent: the simulation answers no yes/no read back (it fails as before).
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
@@ -149,12 +153,13 @@ SYMBOLS: dict[str, Symbol] = {
     "flop_registry": Symbol(
         "torch.utils.flop_counter:flop_registry", "FLOP formulas that cannot abort the trace"
     ),
-    # Graceful where absent: that kernel's FLOPs have only torch's formula (else count 0).
+    # Graceful where absent: that kernel's FLOPs have only torch's formula (else count 0), and
+    # its scratch is not probed (the estimate misses it).
     **{
         name: Symbol(
             f"torch:ops.aten.{name}",
             "FLOPs of fused attention torch cannot count (grouped-query on torch 2.11, the CPU "
-            "kernel before 2.15)",
+            "kernel before 2.15), and its kernel's scratch",
         )
         for name in (
             "_scaled_dot_product_efficient_attention",
