@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import logging
 import sys
 import threading
 import types
@@ -276,6 +277,36 @@ def test_an_edit_to_the_models_source_renames_it(
     sys.modules.pop("user_model")
 
 
+def test_an_edit_to_a_module_the_forward_calls_into_renames_it(
+    kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper in another file of the program's own, reached as `helpers.act(x)`: covered by
+    that file's contents (the model's own file is the same before and after)."""
+    (tmp_path / "user_helpers.py").write_text("def act(x):\n    return x.tanh()\n")
+    (tmp_path / "user_caller.py").write_text(
+        "import torch\n"
+        "import user_helpers\n"
+        "class Calling(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return user_helpers.act(self.layer(x)).sum()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helpers = importlib.import_module("user_helpers")
+    module = importlib.import_module("user_caller")
+    batch = torch.randn(4, 8)
+    try:
+        before = _digests(module.Calling(), batch)
+        (tmp_path / "user_helpers.py").write_text("def act(x):\n    return x.tanh() * 2\n")
+        importlib.reload(helpers)
+        assert _digests(module.Calling(), batch) != before
+    finally:
+        sys.modules.pop("user_helpers")
+        sys.modules.pop("user_caller")
+
+
 def test_cache_off_writes_nothing(kept: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AUTOSHARD_CACHE", "off")
     plan = _plan()
@@ -520,3 +551,100 @@ def test_an_entry_of_the_wrong_types_is_not_read(kept: Path) -> None:
     again = _plan(strategy="ddp")
     assert _figures(again) == _figures(first)
     assert not any("1 read from autoshard's cache" in r for r in again.reasons)
+
+
+# Read by `_Switched.forward` and `_switched_loss` from this module, as a script's flags are
+WIDEN = 1
+SCALE = 1.0
+CLAMP = 10.0
+LOG = logging.getLogger("autoshard.test")
+
+
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    return x.repeat(1, WIDEN)  # a helper reading a global in turn
+
+
+class _Switched(nn.Module):
+    """A forward whose work depends on module-level values its source file does not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        LOG.debug("forward")  # a logger: by its name
+        return _widened(self.layer(self.clamped(x))).square().sum()
+
+    @torch.no_grad()  # torch's wrapper: what it wraps is read
+    def clamped(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-CLAMP, CLAMP)
+
+
+def _switched_loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return out * SCALE
+
+
+def test_a_global_the_forward_or_the_loss_reads_renames_it(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that sets a flag from its arguments, or loops over variants, runs another
+    forward from the same source file: with the flag left out of the names, the second plan read
+    the first one's fake steps back (the estimate of another model)."""
+    batch = torch.randn(4, 8)
+    plain = _digests(_Switched(), batch)
+    assert _digests(_Switched(), batch) == plain  # the logger does not stop the cache
+
+    narrow = _plan(_Switched(), batch, strategy="ddp")
+    monkeypatch.setattr(sys.modules[__name__], "WIDEN", 64)  # read by the helper forward calls
+    wide = _plan(_Switched(), batch, strategy="ddp")
+    assert not any("read from autoshard's cache" in r for r in wide.reasons), wide.reasons
+    assert wide.chosen.footprint.activations > narrow.chosen.footprint.activations
+    widened = _digests(_Switched(), batch)
+    assert widened[0] != plain[0] and widened[1] != plain[1]
+
+    loss = _digests(_Switched(), batch, loss_fn=_switched_loss)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 2.0)
+    assert _digests(_Switched(), batch, loss_fn=_switched_loss) != loss
+
+    clamped = _digests(_Switched(), batch)
+    monkeypatch.setattr(sys.modules[__name__], "CLAMP", 1.0)
+    assert _digests(_Switched(), batch) != clamped
+
+
+encoder = threading.Lock()  # a global of the name a forward reads as an attribute
+
+
+class _Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _Switched()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def test_an_attribute_named_as_a_global_is_not_read_as_it(kept: Path) -> None:
+    """Only the names a function loads as globals are described: `self.encoder` is not the
+    module's `encoder` (here a lock, which would keep the plan out of the cache)."""
+    for _ in range(2):
+        plan = _plan(_Wrapper(), torch.randn(4, 8), strategy="ddp")
+    assert any("read from autoshard's cache" in r for r in plan.reasons), plan.reasons
+
+
+def _recursive(x: torch.Tensor, depth: int) -> torch.Tensor:
+    return x if depth == 0 else _recursive(torch.tanh(x), depth - 1)
+
+
+class _Recursing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _recursive(self.layer(x), 3).sum()
+
+
+def test_a_recursive_helper_is_described_once(kept: Path) -> None:
+    for _ in range(2):
+        plan = _plan(_Recursing(), torch.randn(4, 8), strategy="ddp")
+    assert any("read from autoshard's cache" in r for r in plan.reasons), plan.reasons

@@ -14,6 +14,10 @@ it depends on, so the same job started again reads them back instead:
   attributes: the attention implementation is one `to_dict` leaves out), its hooks, each
   parameter's and buffer's name, shape, strides, dtype, device and `requires_grad`, and which
   of them are one tensor (tied weights);
+- the module-level values the program's own code reads (`_globals_read`): a flag, a table, a
+  function its forward or its loss calls (and what that reads in turn), by name and value, as
+  attributes are. A script may set them as it runs, from its arguments or in a loop over
+  variants, while its source file stays the same;
 - the optimizer's class and, per group, its parameters by name and its hyperparameters; the
   batch's structure (mappings, a tokenizer's `BatchEncoding` included, and sequences), shapes,
   strides and dtypes; the loss function's code and what its closure holds; the compute dtype;
@@ -41,6 +45,7 @@ else in the directory is touched.
 from __future__ import annotations
 
 import contextlib
+import dis
 import enum
 import functools
 import hashlib
@@ -51,6 +56,8 @@ import logging
 import os
 import sys
 import tempfile
+import threading
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -254,6 +261,7 @@ def _describe_module(
     return {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "code": _code_of(cls),
+        "globals": _globals_read(cls),
         "attributes": attributes,
         "config": described,
         "hooks": hooks,
@@ -430,7 +438,101 @@ def describe_callable(fn: Callable[..., Any] | None) -> Any:
     except (OSError, TypeError):
         source = code.co_code.hex()
     cells = [_value(c.cell_contents) for c in getattr(fn, "__closure__", None) or ()]
-    return [getattr(fn, "__module__", None), fn.__qualname__, source, cells]
+    return [getattr(fn, "__module__", None), fn.__qualname__, source, cells, _globals_read(fn)]
+
+
+def _own_code(module: str | None) -> bool:
+    """Whether the module named `module` is the program's own code: not torch's or autoshard's,
+    nor Python's own or an installed package's (described by their versions)."""
+    package = str(module or "").partition(".")[0]
+    if package in ("", "torch", "autoshard") or package in sys.stdlib_module_names:
+        return False
+    return _version(package) is None
+
+
+@functools.cache
+def _global_loads(code: types.CodeType) -> frozenset[str]:
+    """The global names `code` loads, in it and in the functions, lambdas and comprehensions
+    defined inside it (`self.model` is an attribute, not the global `model`)."""
+    names = {
+        str(instruction.argval)
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_loads(constant)
+    return frozenset(names)
+
+
+def _functions_of(obj: Any) -> list[Any]:
+    """The functions whose global loads `obj` stands for: a function itself; a class's own
+    methods (static, class and property ones too), and those of its bases of the program's own
+    code."""
+    if not isinstance(obj, type):
+        return [obj]
+    found: list[Any] = []
+    for cls in obj.__mro__:
+        if not _own_code(cls.__module__):
+            continue
+        for member in vars(cls).values():
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            if isinstance(member, property):
+                found.extend(f for f in (member.fget, member.fset) if f is not None)
+            elif inspect.isfunction(member):
+                found.append(member)
+    return found
+
+
+# the functions whose loads the description being made has followed already (a recursion, or a
+# helper two functions call), while it is made
+_following = threading.local()
+
+
+def _globals_read(obj: Any) -> dict[str, Any]:
+    """The module-level values a function or a class of the program's own code (`_own_code`; an
+    installed package's are left to its version) reads, by name: modules by their names (and
+    the program's own by their files), functions and classes by their code and, in turn, what
+    they read (each function followed once per description); a logger by its name; anything
+    else as a module's attribute is (`_attribute`: what it cannot describe raises, and nothing
+    is kept). A function of another file called as `helpers.act(x)` is covered by that file's
+    contents, not by what it reads as it runs. A decorated function is the one it wraps."""
+    if isinstance(obj, types.ModuleType):
+        return {}
+    outermost = not hasattr(_following, "codes")
+    if outermost:
+        _following.codes = set()
+    try:
+        read: dict[str, Any] = {}
+        for function in _functions_of(obj):
+            with contextlib.suppress(ValueError):  # a cycle of `__wrapped__`: the outer one
+                function = inspect.unwrap(function)
+            code = getattr(function, "__code__", None)
+            namespace = getattr(function, "__globals__", None)
+            if code is None or not isinstance(namespace, dict) or id(code) in _following.codes:
+                continue
+            if not _own_code(namespace.get("__name__")):  # where the code was written
+                continue
+            _following.codes.add(id(code))
+            for name in sorted(_global_loads(code)):
+                if name in namespace and name not in read:
+                    read[name] = _global_value(namespace[name])
+        return read
+    finally:
+        if outermost:
+            del _following.codes
+
+
+def _global_value(value: Any) -> Any:
+    if isinstance(value, types.ModuleType):  # a file of the program's own by its contents
+        path = getattr(value, "__file__", None) if _own_code(value.__name__) else None
+        return ["module", value.__name__, None if path is None else _digest_of_file(path)]
+    if isinstance(value, logging.Logger):
+        return ["logger", value.name]
+    if isinstance(value, type):
+        return [_attribute(value), _globals_read(value)]
+    return _attribute(value)  # a function: by its code, what it reads among it
 
 
 def describe_device(device: torch.device) -> list[Any]:
