@@ -305,6 +305,11 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
+def mutates(op: Any) -> bool:
+    """Whether operator overload `op` writes into one of its arguments (in-place, `out=`)."""
+    return bool(op._schema.is_mutable)
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was made from (None: not a view)."""
     return tensor._base if tensor._is_view() else None

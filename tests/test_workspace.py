@@ -199,16 +199,35 @@ def test_an_expanded_tensor_is_measured_where_the_operator_is_not_elementwise() 
     assert measured == {"aten.mm.default": 4 * 8 * 4}, measured
 
 
-def test_a_probe_leaves_the_random_generator_as_it_was() -> None:
-    """A probe runs the kernel for real: a random draw in it (dropout of an expanded tensor, not
-    an elementwise operator; fused attention with dropout on CUDA) must not move the generator
-    the user's step draws from."""
+def test_a_probe_leaves_the_default_generator_as_it_was() -> None:
+    """A probe runs the kernel for real: a random draw in it (fused attention's dropout on CUDA)
+    must not move the generator the user's step draws from."""
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    with FakeTensorMode(), Workspace(CPU):
-        torch.ops.aten.native_dropout.default(torch.ones(()).expand(64, 64), 0.5, True)
-    assert [key[1] for key in workspace._measured] == ["aten.native_dropout.default"]
+    with FakeTensorMode():
+        x = torch.ones(64, 64)
+    held = workspace._probe(torch.ops.aten.native_dropout.default, (x, 0.5, True), {}, CPU)
+    assert held is not None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_expanded_tensors_of_draws_writes_and_other_layouts_are_not_probed() -> None:
+    """A draw given its own generator would move it; an in-place operator (or an `out=` one)
+    would run twice on the fake arguments; a sparse tensor's strides read 0 and its kernels are
+    not a dense one's."""
+    generator = torch.Generator().manual_seed(0)
+    before = generator.get_state()
+    with FakeTensorMode(allow_non_fake_inputs=True), Workspace(CPU):
+        torch.bernoulli(torch.full((), 0.5).expand(64, 64), generator=generator)
+        x = torch.zeros(4).expand(3, 4)
+        x.unsqueeze_(0)
+        torch.zeros(3, 4).copy_(torch.zeros(4).expand(3, 4))
+        torch.sparse.mm(torch.eye(64).to_sparse(), torch.ones(64, 8))
+        torch.eye(4).to_sparse_csr() @ torch.ones(4, 2)
+    assert workspace._measured == {}
+    assert x.shape == (1, 3, 4)
+    assert torch.equal(generator.get_state(), before)
 
 
 def test_a_running_profiler_is_reported_and_not_remembered() -> None:

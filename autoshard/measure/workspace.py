@@ -15,7 +15,8 @@ arguments) is run once for real on the planned device, on zero-filled tensors (o
 workspace depends on the values, `FILLERS`, on values that take the kernel's hungriest path),
 and the bytes it held beyond its outputs are measured: on CUDA from the allocator's peak
 statistics, on CPU from the profiler's memory events (the CPU allocator keeps no statistics).
-The random generators are left as they were.
+The default random generators are left as they were (fused attention draws its dropout from
+them).
 Inside the simulation each such call then allocates a fake block of that size for its duration,
 so the tracker counts it at the moment it happens. Where the planned device is not this machine's
 (what-if planning for CUDA without a GPU) nothing can be run, and the count of unmeasured calls is
@@ -51,6 +52,7 @@ from autoshard._torch_compat import (
     allocation_tag,
     disable_current_modes,
     missing,
+    mutates,
     op_overload,
     profiler_enabled,
     tree_flatten,
@@ -250,7 +252,10 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
 
 def expanded(x: torch.Tensor) -> bool:
     """Whether `x` repeats its elements along a dimension (a stride of 0 over more than one
-    element): an `expand`ed view, such as the gradient `out.sum()` hands to `out`'s operator."""
+    element): an `expand`ed view, such as the gradient `out.sum()` hands to `out`'s operator.
+    Sparse and nested tensors are not (a COO tensor's strides read 0)."""
+    if x.layout != torch.strided or x.is_nested:
+        return False
     strides = x.stride()
     return 0 in strides and any(s == 0 and n > 1 for s, n in zip(strides, x.shape, strict=True))
 
@@ -264,14 +269,18 @@ def copies_expanded(func: Any) -> bool:
     size for the duration of the call, which the fake kernels do not allocate (a linear layer
     under `.sum()` read 11% under the allocator's peak, a softmax 17%). cuBLAS is given
     contiguous matrices the same way. Elementwise operators and reductions read strides as they
-    are (no copy: sum, mean, amax, var, prod, norm, argmax, max, any), views copy nothing, and
-    operators outside aten are not run here."""
+    are (no copy: sum, mean, amax, var, prod, norm, argmax, max, any), views copy nothing. Not
+    run here: operators outside aten, those that write into an argument (in place, `out=`:
+    checking a probe's size runs the call once on the fake arguments) and those that draw random
+    numbers (a generator passed to one would move)."""
     tags = func.tags
     return (
         func.namespace == "aten"
         and not func.is_view
         and torch.Tag.pointwise not in tags
         and torch.Tag.reduction not in tags
+        and torch.Tag.nondeterministic_seeded not in tags
+        and not mutates(func)
     )
 
 
@@ -359,7 +368,7 @@ def _probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int | Non
     """Bytes `func` holds beyond its outputs when run for real on `device` (None if it cannot
     run here: too little memory, an unsupported combination)."""
     # the fake mode and the tracker too: this runs for real; a random draw (attention's dropout)
-    # leaves the generators as they were, so the user's step draws what it would have drawn
+    # leaves the default generators as they were, so the user's step draws what it would have
     devices = [device] if device.type == "cuda" else []
     with disable_current_modes(), torch.random.fork_rng(devices, device_type=device.type):
         try:
