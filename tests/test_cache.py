@@ -277,6 +277,40 @@ def test_an_edit_to_the_models_source_renames_it(
     sys.modules.pop("user_model")
 
 
+def test_the_same_global_name_in_a_base_class_s_module_is_read_there(
+    kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subclass in one file, its base in another, each file with its own `FLAG`: the base's
+    forward reads the base's."""
+    (tmp_path / "user_base.py").write_text(
+        "import torch\n"
+        "FLAG = 1\n"
+        "class Base(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.layer(x).repeat(1, FLAG).sum()\n"
+    )
+    (tmp_path / "user_sub.py").write_text(
+        "from user_base import Base\n"
+        "FLAG = 1\n"
+        "class Sub(Base):\n"
+        "    def extra(self):\n"
+        "        return FLAG\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        base, sub = importlib.import_module("user_base"), importlib.import_module("user_sub")
+        batch = torch.randn(4, 8)
+        before = _digests(sub.Sub(), batch)
+        monkeypatch.setattr(base, "FLAG", 8)
+        assert _digests(sub.Sub(), batch) != before
+    finally:
+        sys.modules.pop("user_base")
+        sys.modules.pop("user_sub")
+
+
 def test_an_edit_to_a_module_the_forward_calls_into_renames_it(
     kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,7 +335,10 @@ def test_an_edit_to_a_module_the_forward_calls_into_renames_it(
         before = _digests(module.Calling(), batch)
         (tmp_path / "user_helpers.py").write_text("def act(x):\n    return x.tanh() * 2\n")
         importlib.reload(helpers)
-        assert _digests(module.Calling(), batch) != before
+        edited = _digests(module.Calling(), batch)
+        assert edited != before
+        helpers.SCALE = 2  # a setting a script keeps in a module of its own: `cfg.X = args.x`
+        assert _digests(module.Calling(), batch) != edited
     finally:
         sys.modules.pop("user_helpers")
         sys.modules.pop("user_caller")
@@ -621,6 +658,33 @@ class _Wrapper(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.encoder(x)
+
+
+LOCKED = threading.Lock()
+
+
+class _Locking(_Switched):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with LOCKED:  # a global that cannot be described: by its class, as before
+            return super().forward(x)
+
+
+def test_a_global_that_cannot_be_described_keeps_the_cache(kept: Path) -> None:
+    for _ in range(2):
+        plan = _plan(_Locking(), torch.randn(4, 8), strategy="ddp")
+    assert any("read from autoshard's cache" in r for r in plan.reasons), plan.reasons
+
+
+def test_a_key_that_is_a_function_is_named_by_its_code() -> None:
+    """A `repr` holds the function's address: another process would name it otherwise."""
+    text = json.dumps(cache._attribute({_widened: 1}))
+    assert "0x" not in text and "_widened" in text
+
+
+def test_installed_packages_are_left_to_their_versions() -> None:
+    pytest.importorskip("yaml")  # installed as PyYAML: its import name is not its package's
+    assert not cache._own_code("yaml") and not cache._own_code("json")
+    assert cache._own_code(__name__)
 
 
 def test_an_attribute_named_as_a_global_is_not_read_as_it(kept: Path) -> None:

@@ -16,8 +16,8 @@ it depends on, so the same job started again reads them back instead:
   of them are one tensor (tied weights);
 - the module-level values the program's own code reads (`_globals_read`): a flag, a table, a
   function its forward or its loss calls (and what that reads in turn), by name and value, as
-  attributes are. A script may set them as it runs, from its arguments or in a loop over
-  variants, while its source file stays the same;
+  attributes are (one that cannot be described, by its class alone). A script may set them as
+  it runs, from its arguments or in a loop over variants, while its source file stays the same;
 - the optimizer's class and, per group, its parameters by name and its hyperparameters; the
   batch's structure (mappings, a tokenizer's `BatchEncoding` included, and sequences), shapes,
   strides and dtypes; the loss function's code and what its closure holds; the compute dtype;
@@ -58,7 +58,7 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -216,9 +216,11 @@ def describe_model(model: nn.Module) -> list[Any]:
         tied = first_name.setdefault(id(tensor), name)
         tensors.append((name, *_describe_tensor(tensor), tied))
     configs: dict[int, str] = {}  # a config shared by many modules is described once
-    modules = [
-        (name, _describe_module(module, name, configs)) for name, module in model.named_modules()
-    ]
+    with _one_description():  # a class's globals once, not once per module of that class
+        modules = [
+            (name, _describe_module(module, name, configs))
+            for name, module in model.named_modules()
+        ]
     return [modules, tensors]
 
 
@@ -309,8 +311,8 @@ def _attribute(value: Any, depth: int = 0) -> Any:
         return ["set", sorted(members, key=lambda m: json.dumps(m, default=_encode))]
     if isinstance(value, (tuple, list)):
         return [type(value).__qualname__, [_attribute(v, depth + 1) for v in value]]
-    if isinstance(value, Mapping):
-        items = [[repr(k), _attribute(v, depth + 1)] for k, v in value.items()]
+    if isinstance(value, Mapping):  # keys by value, or (a function, say) as described
+        items = [[_key(k, depth + 1), _attribute(v, depth + 1)] for k, v in value.items()]
         return [type(value).__qualname__, sorted(items, key=lambda item: item[0])]
     fields = getattr(value, "__dict__", None)
     if not isinstance(fields, dict):
@@ -318,6 +320,14 @@ def _attribute(value: Any, depth: int = 0) -> Any:
     cls = type(value)
     described = {str(k): _attribute(v, depth + 1) for k, v in fields.items()}
     return ["object", f"{cls.__module__}.{cls.__qualname__}", described]
+
+
+def _key(key: Any, depth: int) -> str:
+    """A mapping's key, as text that is the same in another process (a function's `repr` holds
+    its address)."""
+    if _plain(key) or isinstance(key, enum.Enum):
+        return repr(key)
+    return json.dumps(_attribute(key, depth), sort_keys=True, default=_encode)
 
 
 def _plain(value: Any) -> bool:
@@ -432,7 +442,8 @@ def describe_callable(fn: Callable[..., Any] | None) -> Any:
         owner = getattr(fn, "__self__", fn)
         if inspect.isbuiltin(fn) or isinstance(owner, type(torch)):
             return [getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn))]
-        return [type(fn).__qualname__, _code_of(type(fn)), describe_batch(vars(fn))]
+        described = [type(fn).__qualname__, _code_of(type(fn)), describe_batch(vars(fn))]
+        return [*described, _globals_read(type(fn))]
     try:
         source: Any = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -443,11 +454,18 @@ def describe_callable(fn: Callable[..., Any] | None) -> Any:
 
 def _own_code(module: str | None) -> bool:
     """Whether the module named `module` is the program's own code: not torch's or autoshard's,
-    nor Python's own or an installed package's (described by their versions)."""
+    nor Python's own or an installed package's (described by their versions; `yaml` is
+    installed as PyYAML)."""
     package = str(module or "").partition(".")[0]
     if package in ("", "torch", "autoshard") or package in sys.stdlib_module_names:
         return False
-    return _version(package) is None
+    return package not in _installed()
+
+
+@functools.cache
+def _installed() -> frozenset[str]:
+    """The top-level modules installed packages provide."""
+    return frozenset(importlib.metadata.packages_distributions())
 
 
 @functools.cache
@@ -485,25 +503,38 @@ def _functions_of(obj: Any) -> list[Any]:
     return found
 
 
-# the functions whose loads the description being made has followed already (a recursion, or a
-# helper two functions call), while it is made
+# While one description is made: the functions whose loads it has followed already (a
+# recursion, or a helper two functions call), and what each class's methods read
 _following = threading.local()
+
+
+@contextlib.contextmanager
+def _one_description() -> Iterator[None]:
+    """Inside: one description is being made (the outermost call opens it)."""
+    if hasattr(_following, "codes"):
+        yield
+        return
+    _following.codes, _following.classes = set(), {}
+    try:
+        yield
+    finally:
+        del _following.codes, _following.classes
 
 
 def _globals_read(obj: Any) -> dict[str, Any]:
     """The module-level values a function or a class of the program's own code (`_own_code`; an
-    installed package's are left to its version) reads, by name: modules by their names (and
-    the program's own by their files), functions and classes by their code and, in turn, what
-    they read (each function followed once per description); a logger by its name; anything
-    else as a module's attribute is (`_attribute`: what it cannot describe raises, and nothing
-    is kept). A function of another file called as `helpers.act(x)` is covered by that file's
-    contents, not by what it reads as it runs. A decorated function is the one it wraps."""
+    installed package's are left to its version) reads, by module and name: modules by their
+    names (the program's own by their files and their plain values: `cfg.X = args.x`),
+    functions and classes by their code and, in turn, what they read (each followed once per
+    description); a logger by its name; anything else as a module's attribute is
+    (`_attribute`), or by its class alone where it cannot be described (a lock, an array): as
+    before globals were read, the value is then not in the name, and the cache is still used.
+    A decorated function is the one it wraps."""
     if isinstance(obj, types.ModuleType):
         return {}
-    outermost = not hasattr(_following, "codes")
-    if outermost:
-        _following.codes = set()
-    try:
+    with _one_description():
+        if isinstance(obj, type) and obj in _following.classes:
+            return dict(_following.classes[obj])
         read: dict[str, Any] = {}
         for function in _functions_of(obj):
             with contextlib.suppress(ValueError):  # a cycle of `__wrapped__`: the outer one
@@ -512,27 +543,33 @@ def _globals_read(obj: Any) -> dict[str, Any]:
             namespace = getattr(function, "__globals__", None)
             if code is None or not isinstance(namespace, dict) or id(code) in _following.codes:
                 continue
-            if not _own_code(namespace.get("__name__")):  # where the code was written
+            module = namespace.get("__name__")  # where the code was written
+            if not _own_code(module):
                 continue
             _following.codes.add(id(code))
             for name in sorted(_global_loads(code)):
-                if name in namespace and name not in read:
-                    read[name] = _global_value(namespace[name])
+                if name in namespace and f"{module}.{name}" not in read:
+                    read[f"{module}.{name}"] = _global_value(namespace[name])
+        if isinstance(obj, type):
+            _following.classes[obj] = read
         return read
-    finally:
-        if outermost:
-            del _following.codes
 
 
 def _global_value(value: Any) -> Any:
-    if isinstance(value, types.ModuleType):  # a file of the program's own by its contents
-        path = getattr(value, "__file__", None) if _own_code(value.__name__) else None
-        return ["module", value.__name__, None if path is None else _digest_of_file(path)]
+    if isinstance(value, types.ModuleType):
+        if not _own_code(value.__name__):
+            return ["module", value.__name__]
+        path = getattr(value, "__file__", None)
+        plain = {k: v for k, v in vars(value).items() if not k.startswith("__") and _plain(v)}
+        return ["module", value.__name__, path and _digest_of_file(path), sorted(plain.items())]
     if isinstance(value, logging.Logger):
         return ["logger", value.name]
-    if isinstance(value, type):
-        return [_attribute(value), _globals_read(value)]
-    return _attribute(value)  # a function: by its code, what it reads among it
+    try:
+        if isinstance(value, type):
+            return [_attribute(value), _globals_read(value)]
+        return _attribute(value)  # a function: by its code, what it reads among it
+    except (TypeError, ValueError, RecursionError):
+        return ["undescribed", f"{type(value).__module__}.{type(value).__qualname__}"]
 
 
 def describe_device(device: torch.device) -> list[Any]:
