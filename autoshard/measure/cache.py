@@ -464,8 +464,12 @@ def _own_code(module: str | None) -> bool:
 
 @functools.cache
 def _installed() -> frozenset[str]:
-    """The top-level modules installed packages provide."""
-    return frozenset(importlib.metadata.packages_distributions())
+    """The top-level modules installed packages provide (none known where their metadata
+    cannot be read: every package is then taken for the program's own, described the more)."""
+    try:
+        return frozenset(importlib.metadata.packages_distributions())
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata
+        return frozenset()
 
 
 @functools.cache

@@ -273,11 +273,11 @@ def copies_expanded(func: Any) -> bool:
     run here: operators outside aten, those that write into an argument (in place, `out=`:
     checking a probe's size runs the call once on the fake arguments) and those that draw random
     numbers (a generator passed to one would move)."""
+    if getattr(func, "namespace", None) != "aten" or func.is_view:
+        return False  # a higher-order operator has neither tags nor a schema
     tags = func.tags
     return (
-        func.namespace == "aten"
-        and not func.is_view
-        and torch.Tag.pointwise not in tags
+        torch.Tag.pointwise not in tags
         and torch.Tag.reduction not in tags
         and torch.Tag.nondeterministic_seeded not in tags
         and not mutates(func)
