@@ -54,7 +54,9 @@ import inspect
 import json
 import logging
 import os
+import site
 import sys
+import sysconfig
 import tempfile
 import threading
 import types
@@ -452,24 +454,30 @@ def describe_callable(fn: Callable[..., Any] | None) -> Any:
     return [getattr(fn, "__module__", None), fn.__qualname__, source, cells, _globals_read(fn)]
 
 
+@functools.lru_cache(maxsize=1024)
 def _own_code(module: str | None) -> bool:
     """Whether the module named `module` is the program's own code: not torch's or autoshard's,
-    nor Python's own or an installed package's (described by their versions; `yaml` is
-    installed as PyYAML)."""
+    nor Python's own or an installed package's (one under site-packages: described by their
+    versions), though a package installed in editable mode, whose files stay where they were
+    written, is."""
     package = str(module or "").partition(".")[0]
     if package in ("", "torch", "autoshard") or package in sys.stdlib_module_names:
         return False
-    return package not in _installed()
+    loaded = sys.modules.get(package)
+    places = [getattr(loaded, "__file__", None), *getattr(loaded, "__path__", ())]
+    real = [os.path.realpath(str(place)) for place in places if place]
+    return not any(place.startswith(installed) for place in real for installed in _installed())
 
 
 @functools.cache
-def _installed() -> frozenset[str]:
-    """The top-level modules installed packages provide (none known where their metadata
-    cannot be read: every package is then taken for the program's own, described the more)."""
-    try:
-        return frozenset(importlib.metadata.packages_distributions())
-    except Exception:  # noqa: BLE001 - a broken distribution's metadata
-        return frozenset()
+def _installed() -> tuple[str, ...]:
+    """Where installed packages are (site-packages and its kin)."""
+    paths = sysconfig.get_paths()
+    places = {paths[key] for key in ("purelib", "platlib") if key in paths}
+    places.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    if site.ENABLE_USER_SITE:
+        places.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(p), "") for p in places)
 
 
 @functools.cache
