@@ -77,8 +77,21 @@ def llama() -> zoo.ZooModel:
     )
 
 
-@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpointed", "plain"])
-@pytest.mark.parametrize("strategy", ["ddp", "shard_grad_op", "full_shard"])
+# Only the case of the GPU suite's shortfall (FULL_SHARD, checkpointed) on every torch CI runs;
+# the others, as heavy (a 16-block plan each), on the main torch only (`slow`: README, "Run the
+# test suite")
+MAIN_TORCH_ONLY = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("strategy", "checkpointed"),
+    [
+        pytest.param(strategy, checkpointed, id=f"{strategy}-{label}", marks=marks)
+        for strategy in ("ddp", "shard_grad_op", "full_shard")
+        for checkpointed, label in ((True, "checkpointed"), (False, "plain"))
+        for marks in [() if (strategy, checkpointed) == ("full_shard", True) else MAIN_TORCH_ONLY]
+    ],
+)
 def test_the_extended_estimate_equals_the_whole_model_s(
     llama: zoo.ZooModel,
     strategy: str,
@@ -271,7 +284,12 @@ def _layout_planned(model: torch.nn.Module, strategy: str, checkpointed: bool) -
     )
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+# every layout on every torch CI runs, checkpointed (twice the time) on the main torch only
+@pytest.mark.parametrize(
+    "checkpointed",
+    [False, pytest.param(True, marks=MAIN_TORCH_ONLY)],
+    ids=["plain", "checkpointed"],
+)
 @pytest.mark.parametrize(
     ("name", "strategy"),
     [

@@ -5,7 +5,7 @@ the cost model it calibrates (`hardware_for(..., measured=Throughput(...))`).
 The dry run's figures are not held to the GPU targets: on the CPU the measured peak is the live
 tensor bytes, which kernel scratch memory is missing from. What is checked is that every
 section runs and reports what it must. The dry run is marked slow: CI runs it (`--full`), and
-`compat`: CI runs it on the oldest and the newest torch too (the GPU machines carry the oldest)."""
+`compat`: CI runs it on the oldest torch too, the GPU machines'."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ of its families, and the pure parts that order the forced rungs and derive the r
 Nothing here depends on timing: the dry run's step times are a busy CPU's, so only the report's
 structure and the plumbing are checked (on the CPU CPU_OFFLOAD is unavailable, so the ladder has
 only LOCAL rungs and 35% of the need fits nothing). The dry run is marked slow: CI runs it
-(`--full`), and `compat`: on the oldest and the newest torch too (the GPU machines carry the
-oldest)."""
+(`--full`), and `compat`: on the oldest torch too, the GPU machines'."""
 
 from __future__ import annotations
 

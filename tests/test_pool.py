@@ -308,11 +308,22 @@ def _convnet() -> tuple[nn.Module, torch.optim.Optimizer, object, list[str]]:
     return model, torch.optim.SGD(model.parameters()), torch.randn(4, 3, 8, 8), names
 
 
+# The heaviest of these tests (a 16-block plan of every strategy, checked twice) run on every
+# torch CI runs once (fp32) and otherwise on the main torch only (`slow`: README, "Run the test
+# suite"); what workers do is this package's code, the same on every torch
+MAIN_TORCH_ONLY = pytest.mark.slow
+
+
 @simulation
 @pytest.mark.parametrize(
     "case,dtype,trains_on",
-    [("mlp", None, "cpu"), ("mlp", torch.bfloat16, "cpu"), ("convnet", None, "cuda")],
-    ids=["fp32", "bf16", "convolutions-what-if-cuda"],
+    [
+        pytest.param("mlp", None, "cpu", id="fp32"),
+        pytest.param("mlp", torch.bfloat16, "cpu", id="bf16", marks=MAIN_TORCH_ONLY),
+        pytest.param(
+            "convnet", None, "cuda", id="convolutions-what-if-cuda", marks=MAIN_TORCH_ONLY
+        ),
+    ],
 )
 def test_runs_made_by_workers_equal_this_process_s(
     monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype | None, trains_on: str
@@ -416,6 +427,7 @@ def test_what_a_worker_cannot_see_leaves_every_step_here(monkeypatch: pytest.Mon
 
 
 @simulation
+@MAIN_TORCH_ONLY
 def test_a_change_only_checkpointed_runs_see_is_caught_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -428,6 +440,7 @@ def test_a_change_only_checkpointed_runs_see_is_caught_too(
 
 
 @simulation
+@MAIN_TORCH_ONLY
 def test_a_change_only_one_strategy_sees_is_caught_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each strategy's runs are checked apart: `fully_shard` patched at run time to keep
     FULL_SHARD's parameters gathered after forward changes FULL_SHARD alone, whose other depths
@@ -444,6 +457,7 @@ def test_a_change_only_one_strategy_sees_is_caught_too(monkeypatch: pytest.Monke
 
 
 @simulation
+@MAIN_TORCH_ONLY
 def test_a_what_if_plan_with_workers_is_the_plan_without(monkeypatch: pytest.MonkeyPatch) -> None:
     """`autoshard.plan` with a worker (whoever makes each step first) and without one."""
     plans = []
