@@ -35,6 +35,7 @@ whatever directory it was started in.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -57,14 +58,17 @@ WHEELS = HERE / "wheels"
 # start-up (importing torch) counts within, against the first section it runs. The total stays
 # under the 10 minutes one command may hold a GPU machine for, with room for the report.
 # Taken on one H100 (torch 2.11): tests 78 s, compat 5 s (the worker's start included),
-# calibration 0.4 s, accuracy about 7 s a configuration (52 of them, 340 s), oom 11 s; prepare
-# not yet measured there (the first GPU run's prepare took 7-44 s a model: the section runs the
-# models its budget holds, most telling first).
+# calibration 0.4 s, accuracy about 7 s a configuration, oom 11 s. On one H200 (torch 2.11,
+# 2026-12-04): tests 96 s alone and past 110 s in the suite (the first test's set-up, CUDA's
+# start and the model's build, 38 s), compat 6 s, accuracy 33 of the 52 configurations in 297 s
+# (9 s each), oom 16 s, prepare 104 s for all 9 models (12 s each, the build included). The
+# sections run what their budgets hold, most telling first, and list the rest as skipped;
+# `--sections accuracy --budget accuracy=570` (or prepare) runs one section alone over more.
 BUDGETS = {
-    "tests": (100, 120),
+    "tests": (150, 120),
     "compat": (15, 60),
     "calibration": (10, 60),
-    "accuracy": (370, 180),
+    "accuracy": (320, 180),
     "oom": (20, 90),
     "prepare": (55, 120),
 }
@@ -295,20 +299,42 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
         "prepare": prepare,
     }
     for name in sections:
-        _write(state / f"{name}.started", repr(time.time()))
-        began = time.time()
-        try:
-            if not dry_run and not cuda:
-                raise RuntimeError("no CUDA device here: run with --dry-run on a CPU")
-            entry = {"status": "ok", "result": bodies[name]()}
-        except Exception as error:  # recorded; the next section still runs
-            entry = {
-                "status": "failed",
-                "error": f"{type(error).__name__}: {error}"[:1000],
-                "traceback": traceback.format_exc()[-4000:],
-            }
-        entry["seconds"] = round(time.time() - began, 1)
-        _write(state / f"{name}.json", json.dumps(entry, indent=1, default=str))
+        if not dry_run and not cuda:
+            body = _no_cuda
+        else:
+            body = bodies[name]
+        run_section(state, name, body)
+
+
+def _no_cuda() -> Any:
+    raise RuntimeError("no CUDA device here: run with --dry-run on a CPU")
+
+
+def run_section(state: Path, name: str, body: Any) -> None:
+    """Run one section in the worker and record its result (or its error: the next section
+    still runs). A default process group the section left behind is destroyed after it, as a
+    script's exit would: under plain `python` on one GPU, `prepare` creates one where it offloads
+    (the oom section's last rung does), and the prepare section, which makes its own, then failed
+    with "trying to initialize the default process group twice!" for every model (on an H200)."""
+    import torch.distributed as dist
+
+    _write(state / f"{name}.started", repr(time.time()))
+    began = time.time()
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        entry = {"status": "ok", "result": body()}
+    except Exception as error:  # recorded; the next section still runs
+        entry = {
+            "status": "failed",
+            "error": f"{type(error).__name__}: {error}"[:1000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    finally:
+        if not had_group and dist.is_available() and dist.is_initialized():
+            gc.collect()  # the section's wrapped models first: nothing may use the group after
+            dist.destroy_process_group()
+    entry["seconds"] = round(time.time() - began, 1)
+    _write(state / f"{name}.json", json.dumps(entry, indent=1, default=str))
 
 
 def _result(state: Path, name: str) -> Any:

@@ -339,6 +339,44 @@ def test_a_worker_that_dies_in_a_section_is_recorded_and_the_next_section_still_
     assert json.loads((state / "compat.json").read_text())["status"] == "ok"  # kept as written
 
 
+def test_a_group_a_section_leaves_is_destroyed_before_the_next_section_makes_its_own(
+    tmp_path: Path,
+) -> None:
+    """On one GPU under plain python, `prepare` creates the default group where it offloads (the
+    oom section's last rung), and the prepare section after it failed for every model ("trying to
+    initialize the default process group twice!", on an H200). A group that existed before a
+    section is the caller's, and stays."""
+    import torch.distributed as dist
+
+    def one_rank() -> None:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+    def leaves_a_group() -> str:
+        one_rank()  # as prepare() does for a one-GPU offload, and keeps for the model
+        return "trained"
+
+    def makes_its_own() -> str:
+        one_rank()
+        dist.destroy_process_group()
+        return "prepared"
+
+    assert not dist.is_initialized()
+    try:
+        gpu_suite.run_section(tmp_path, "oom", leaves_a_group)
+        assert not dist.is_initialized()
+        gpu_suite.run_section(tmp_path, "prepare", makes_its_own)
+        for name, result in (("oom", "trained"), ("prepare", "prepared")):
+            entry = json.loads((tmp_path / f"{name}.json").read_text())
+            assert (entry["status"], entry["result"]) == ("ok", result), entry
+
+        one_rank()  # the caller's own group, made before the section
+        gpu_suite.run_section(tmp_path, "compat", lambda: "read")
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_pytest_run_stopped_before_its_xml_is_read_from_its_verbose_log(tmp_path) -> None:
     import _gpu_report
 
