@@ -152,3 +152,20 @@ def test_the_probe_measures_what_a_first_training_step_allocates(dtype: str) -> 
     probe, step = run("probe"), run("step")
     assert step > 0  # the step left workspaces behind
     assert probe == step, f"probe {probe / MIB:.2f} MiB, first step {step / MIB:.2f} MiB"
+
+
+def test_a_cuda_trial_frees_the_workspaces_before_it_so_that_it_counts_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workspaces a matmul left before the trial (the calibration's, or the caller's) would read as
+    memory unrelated to the training: the trial frees them first, after the device is idle, and
+    its step allocates them again (tests/test_gpu.py measures that on a GPU)."""
+    from autoshard.wrap import trial
+
+    calls: list[str] = []
+    monkeypatch.setattr(trial, "clear_cublas_workspaces", lambda: calls.append("clear") or True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    trial._workspaces_freed(torch.device("cpu"))
+    assert calls == []
+    trial._workspaces_freed(torch.device("cuda", 0))
+    assert calls == ["sync", "clear"]

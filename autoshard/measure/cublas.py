@@ -13,7 +13,9 @@ Where this machine has the planned CUDA device, the workspaces are measured: eve
 freed (`_torch_compat.clear_cublas_workspaces`; torch allocates them again at the next matmul), a
 small forward and backward of a linear layer runs in fp32 and in the compute dtype, and what stays
 allocated once its tensors are gone is what the step will allocate. They are freed again
-afterwards, so that the trial step measures them as training allocates them. Without a device (a
+afterwards, and once more by the trial before its step (`trial._workspaces_freed`: the
+calibration's matmuls, or the caller's, allocate them in between), so that the trial step
+measures them as training allocates them. Without a device (a
 what-if plan) torch's default for a Hopper GPU is assumed, two workspaces of it.
 """
 
