@@ -63,7 +63,8 @@ def _device() -> torch.device:
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[int, str], dict]:
-    """Each configuration measured once: two steps create the optimizer state, two are measured."""
+    """Each configuration measured once: one step creates the optimizer state, the next three
+    are measured (the second a training's own, where DDP rebuilds its buckets)."""
     device = _device()
     runner = accuracy.Runner(device, MODELS, "bf16", None, deadline=float("inf"))
     for world, strategy in CONFIGS:
