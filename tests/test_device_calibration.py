@@ -4,8 +4,10 @@ plan. The figures themselves are timings, never asserted; tests/test_gpu.py meas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -90,15 +92,21 @@ def test_fsdp2_s_host_times_are_measured_outside_a_job_and_leave_nothing_behind(
     assert torch.equal(torch.get_rng_state(), stream)
 
 
-def test_fsdp2_s_host_times_are_measured_under_the_caller_s_modes(plausible: None) -> None:
-    # prepare may be called under no_grad, inference_mode, a default device or autocast: the
-    # first two lost the figure (a forward without gradients), the third too (units on meta)
-    for mode in (
+def _caller_modes() -> tuple[Any, ...]:
+    """Modes `prepare` may be called from under: the first two lost the FSDP2 figure (a forward
+    without gradients), the third too (units on meta)."""
+    return (
         torch.no_grad(),
         torch.inference_mode(),
         torch.device("meta"),
         torch.autocast("cpu", dtype=torch.bfloat16),
-    ):
+    )
+
+
+def test_fsdp2_s_host_times_are_measured_under_the_caller_s_modes(plausible: None) -> None:
+    # prepare may be called under no_grad, inference_mode, a default device or autocast: the
+    # first two lost the figure (a forward without gradients), the third too (units on meta)
+    for mode in _caller_modes():
         with mode:
             assert _fsdp_host_times(torch.device("cpu"), torch.bfloat16) == (0.5, 0.5), mode
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -173,3 +181,70 @@ def test_fsdp2_s_host_times_missing_on_a_rank_leave_their_constants_and_are_not_
     measured = taken.hardware.source.split(", otherwise")[0]
     assert measured.startswith("FLOP/s, memory bandwidth and operator launch time measured on")
     assert "FSDP2" not in measured, measured
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor's host time per operator: FSDP2's optimizer step pays it for every operator
+
+
+def test_dtensor_s_host_time_per_operator_is_the_difference_of_two_loops_less_the_plain_one_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AdamW's loop over few and more parameters, plain then DTensor shards: what the shards
+    add per parameter beyond the plain loop's, per operator the cost model counts."""
+    from autoshard.decide.optimizer import step_traffic
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(device_module._MORE_SHARDS)]
+    few = torch.optim.AdamW(params[: device_module._FEW_SHARDS], foreach=False)
+    more = torch.optim.AdamW(params, foreach=False)
+    operators = step_traffic(more, "cpu")[1] - step_traffic(few, "cpu")[1]
+    assert operators == 8 * (device_module._MORE_SHARDS - device_module._FEW_SHARDS)
+    monkeypatch.setattr(device_module, "_fastest_each", lambda device, runs: [1.0, 2.0, 3.0, 7.0])
+    assert device_module._dtensor_op_time(torch.device("cpu")) == (4.0 - 1.0) / operators
+    # a disturbed host: the plain loop not slower with more, the shards not slower than it
+    for timings in ([2.0, 1.0, 3.0, 7.0], [1.0, 2.0, 3.0, 3.5], [1.0, 2.0, 3.0, 4.0]):
+        monkeypatch.setattr(device_module, "_fastest_each", lambda device, runs, t=timings: t)
+        assert device_module._dtensor_op_time(torch.device("cpu")) is None, timings
+
+
+def test_dtensor_s_host_time_is_measured_for_real_under_the_caller_s_modes_leaving_nothing() -> (
+    None
+):
+    state, stream = random.getstate(), torch.get_rng_state()
+    for mode in _caller_modes():
+        with mode:
+            figure = device_module._dtensor_op_time(torch.device("cpu"))
+        assert figure is None or (math.isfinite(figure) and figure > 0), (mode, figure)
+    assert not dist.is_initialized()  # its fake group is gone
+    assert random.getstate() == state and torch.equal(torch.get_rng_state(), stream)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:  # inside a job: the job's group untouched
+        group = dist.group.WORLD
+        device_module._dtensor_op_time(torch.device("cpu"))
+        assert dist.group.WORLD is group and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_s_host_time_is_charged_for_every_operator_of_a_sharded_optimizer_step() -> None:
+    inputs = make_inputs(2, AMPLE, hardware=GPU)
+    stats = dataclasses.replace(inputs.stats, step_operators=800)
+    inputs = dataclasses.replace(inputs, stats=stats)
+    where = "measured on cuda:{} (H100): a 4096x4096 bfloat16 matmul"
+    slow, fast = (
+        _report(rank, Throughput(8e14, 3e12, where.format(rank), 4e-6, 1e-4, 1e-5, dtensor_op_s=t))
+        for rank, t in enumerate((5e-5, 1e-5))
+    )
+    taken = with_device(inputs, [slow, fast])
+    assert taken.hardware.dtensor_op_s == 5e-5  # the slowest rank's
+    assert "DTensor's host time per operator" in taken.hardware.source
+    less = with_device(inputs, [fast, fast])
+    for strategy in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD, Strategy.CPU_OFFLOAD):
+        added = step_seconds(taken, strategy, 0) - step_seconds(less, strategy, 0)
+        assert math.isclose(added, 800 * (5e-5 - 1e-5), rel_tol=1e-9), strategy
+    for strategy in (Strategy.LOCAL, Strategy.DDP):  # plain tensors
+        assert step_seconds(taken, strategy, 0) == step_seconds(less, strategy, 0)
+    # measured on one rank only: the constant stands, and is not named
+    missing = with_device(inputs, [slow, _report(1, Throughput(8e14, 3e12, "m", 4e-6))])
+    assert missing.hardware.dtensor_op_s == GPU.dtensor_op_s
+    assert "DTensor" not in missing.hardware.source

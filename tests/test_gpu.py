@@ -258,11 +258,14 @@ def test_prepare_models_step_times_from_this_gpu_s_measured_throughput() -> None
     # (None where the timings contradicted themselves: on an idle GPU machine they must not)
     assert figures.fsdp_unit_s is not None and 0 < figures.fsdp_unit_s < 0.1
     assert figures.fsdp_gather_s is not None and 0 < figures.fsdp_gather_s < 0.1
+    # DTensor's per operator, AdamW's loop over shards on this GPU: tens of microseconds
+    assert figures.dtensor_op_s is not None and 0 < figures.dtensor_op_s < 1e-3
     model, optimizer, batch = checks.setup(device, width=256, blocks=2, rows=256)
     _, _, plan = autoshard.prepare(model, optimizer, batch, loss_fn=checks.loss_fn)
     chose = next(r for r in plan.reasons if r.startswith("chose "))
     names = "FLOP/s, memory bandwidth, operator launch time and FSDP2's host times"
     assert f"{names} (8 small units over a fake group) measured on {device}" in chose, chose
+    assert "; DTensor's host time per operator from AdamW's loop over " in chose, chose
     # and the FLOP/s the model's own: its linears run again at their shapes (`measure.rates`),
     # and its operators' bandwidth: its norms, additions and casts
     assert "; FLOP/s the model's own, " in chose and "FLOP-bound calls (" in chose, chose

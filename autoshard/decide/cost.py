@@ -42,8 +42,12 @@ def step_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -> f
     copies = 2 * passes * gathered / hw.memory_bytes_per_s
     # each unit's all-gathers and reduce-scatter launched; FSDP2's own host work for every unit
     # and each all-gather: every block's `passes`, the root's one (it stays gathered after
-    # forward, torch's default for the root)
+    # forward, torch's default for the root); and DTensor's for every operator of the optimizer
+    # step, whose tensors are all DTensor shards: the host's alone, the device idle meanwhile
+    # (on an H200 AdamW's loop over the parameters stepped 17 to 116 ms slower than foreach
+    # under FULL_SHARD, where it was modelled 2 to 4 ms slower)
     host = units * hw.fsdp_unit_s + ((units - 1) * passes + 1) * hw.fsdp_gather_s
+    host += stats.step_operators * hw.dtensor_op_s
     launches = (passes + 1) * units * hw.collective_latency_s + host
     if r.hybrid:
         # all-gathers and reduce-scatters within a node; then each rank all-reduces its gradient
@@ -90,9 +94,10 @@ def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -
         )
     # The whole optimizer step's, sharded or not: a sharded step moves a shard's bytes, but FSDP2
     # has per-step work beyond its units' host time (`step_seconds`), its optimizer step's over
-    # DTensors above all, that the model does not count (on one H100 its step measured 1.4x to
-    # 3x the unwrapped one, benchmarks/RESULTS.md); crediting the shard alone would choose ZeRO
-    # over DDP for small models by the optimizer's saving. Offload is FSDP2 too, with that work
+    # DTensors above all, that the model counts only in part (per operator, `dtensor_op_s`; on
+    # one H100 its step measured 1.4x to 3x the unwrapped one, benchmarks/RESULTS.md);
+    # crediting the shard alone would choose ZeRO over DDP for small models by the optimizer's
+    # saving. Offload is FSDP2 too, with that work
     # and more, so it carries the same term (its own step on the host is added in
     # `step_seconds`): left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for
     # a 405B-shaped model, the whole step's 32 TB, and was chosen over it where both fit.

@@ -32,6 +32,10 @@ class Hardware:
             bookkeeping, which the step waits on.
         fsdp_gather_s: FSDP2's own host work per all-gather of a unit: copy-in, copy-out and
             casts (ZeRO-3 gathers each block twice a step, ZeRO-2 once).
+        dtensor_op_s: the host's time for one operator on DTensors beyond a plain operator's
+            (DTensor's dispatch and sharding propagation): FSDP2's optimizer step runs every
+            operator on DTensor shards, the per-parameter loop (`foreach=False`) one per
+            parameter and operator (on an H200, 17 to 116 ms a step more than foreach).
         operator_bytes_per_s: the bandwidth the model's own memory-bound operators reach, for
             the bytes its forward and backward move (`measure.rates`); None: memory_bytes_per_s.
         source: where the figures came from (constants, or which of them were measured).
@@ -48,6 +52,7 @@ class Hardware:
     kernel_launch_s: float = 5e-6
     fsdp_unit_s: float = 0.0
     fsdp_gather_s: float = 0.0
+    dtensor_op_s: float = 0.0
     operator_bytes_per_s: float | None = None
     source: str = "constants for the device class"
 
@@ -64,6 +69,7 @@ _MEASURED = {
     "kernel_launch_s": "operator launch time",
     "fsdp_unit_s": "FSDP2's host time per unit",
     "fsdp_gather_s": "FSDP2's host time per all-gather",
+    "dtensor_op_s": "DTensor's host time per operator",
 }
 
 
@@ -88,6 +94,8 @@ class Throughput:
             run at their own shapes (`measure.rates`): the cost model's for the bytes its
             forward and backward move (`Hardware.operator_bytes_per_s`).
         model_memory_where: how that was measured.
+        dtensor_op_s: seconds of host time per operator on DTensors beyond a plain operator's
+            (`Hardware.dtensor_op_s`).
     """
 
     flops_per_s: float | None = None
@@ -100,6 +108,7 @@ class Throughput:
     model_where: str = ""
     model_memory_bytes_per_s: float | None = None
     model_memory_where: str = ""
+    dtensor_op_s: float | None = None
 
     @property
     def model_figures(self) -> str | None:
@@ -126,6 +135,14 @@ class Throughput:
                     f"Throughput.{name} must be a finite positive number, got {value!r}; "
                     f"pass None to keep the constant"
                 )
+
+
+# DTensor's host time per operator, the host's whatever the device: 15 to 50 us measured by
+# `measure.device._dtensor_op_time` on a busy 2-core EPYC (torch 2.13 and 2.11); on an H200 host
+# (torch 2.11) AdamW's loop under FULL_SHARD stepped 300 to 490 us per parameter slower than
+# foreach, 8 operators each (benchmarks/RESULTS.md, 2026-12-04); `prepare` measures it on the
+# training host.
+DTENSOR_OP_S = 3e-5
 
 
 def hardware_for(
@@ -162,7 +179,7 @@ def _constants(
         # collective costs about 4 ms on gloo with its copy-in/out and Python bookkeeping:
         # (FSDP step - DDP step) / collectives was 4-5 ms for three models on 2 ranks of a 2-core
         # CPU (benchmarks/RESULTS.md, 2026-11-22).
-        return Hardware(5e10, 2e9, 1e9, 1e10, 4e-3)
+        return Hardware(5e10, 2e9, 1e9, 1e10, 4e-3, dtensor_op_s=DTENSOR_OP_S)
     major = capability[0] if capability else 8
     if major >= 9:  # Hopper: ~990 TFLOP/s dense bf16, ~67 fp32 (TF32 off by default in torch)
         flops = 4e14 if low_precision else 3e13
@@ -176,4 +193,13 @@ def _constants(
     # `measure.device._fsdp_host_times` on a 2-core EPYC, torch 2.13 (benchmarks/RESULTS.md,
     # 2026-11-28); `prepare` measures them on the training host.
     unit = 9e-4 if low_precision else 6e-4
-    return Hardware(flops, 1.5e11, 2.5e10, 2e12, 2e-5, fsdp_unit_s=unit, fsdp_gather_s=3e-4)
+    return Hardware(
+        flops,
+        1.5e11,
+        2.5e10,
+        2e12,
+        2e-5,
+        fsdp_unit_s=unit,
+        fsdp_gather_s=3e-4,
+        dtensor_op_s=DTENSOR_OP_S,
+    )

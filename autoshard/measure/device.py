@@ -20,11 +20,12 @@ every unit costs a step, and what each all-gather adds (`_fsdp_host_times`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from autoshard._torch_compat import disable_current_modes
 from autoshard._world import RankReport
 from autoshard.decide.hardware import Throughput
+from autoshard.decide.optimizer import step_traffic
 from autoshard.decide.plan import PlanInputs
 from autoshard.measure.fake import fake_mesh
 from autoshard.strategies.engines import shard_module
@@ -52,6 +54,9 @@ _TINY_OPERATORS = 200
 # FSDP2's host work: a stack of units this small does almost nothing else (`_fsdp_host_times`)
 _UNITS = 8
 _UNIT_WIDTH = 64
+# DTensor's host time per operator: AdamW's loop over this many parameters of this many elements
+_FEW_SHARDS, _MORE_SHARDS = 8, 24
+_SHARD_NUMEL = 16
 
 _cache: dict[tuple[int, torch.dtype], Throughput] = {}
 
@@ -87,12 +92,17 @@ def _measure(device: torch.device, dtype: torch.dtype) -> Throughput:
         except Exception:  # noqa: BLE001 - the constants stand for these figures alone
             logger.debug("measuring FSDP2's host time failed", exc_info=True)
             unit = gather = None
+        try:
+            dtensor = _dtensor_op_time(device)
+        except Exception:  # noqa: BLE001 - the constant stands for this figure alone
+            logger.debug("measuring DTensor's host time failed", exc_info=True)
+            dtensor = None
     name = torch.cuda.get_device_name(device)
     where = (
         f"measured on {device} ({name}): a {_MATMUL}x{_MATMUL} {str(dtype).removeprefix('torch.')} "
         f"matmul, a {_COPY_BYTES >> 20} MiB copy and {_TINY_OPERATORS} one-element additions"
     )
-    return Throughput(flops, bandwidth, where, launch, unit, gather)
+    return Throughput(flops, bandwidth, where, launch, unit, gather, dtensor_op_s=dtensor)
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -130,16 +140,9 @@ def _fsdp_host_times(device: torch.device, dtype: torch.dtype | None) -> tuple[f
 
     Runs whatever the caller's grad mode, default device or autocast: `prepare` may be called
     from under any of them."""
-    in_job = dist.is_available() and dist.is_initialized()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if in_job else (2, 0)
+    world, rank = _fake_world()
     names = [str(i) for i in range(_UNITS)]
-    with (
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.autocast(device.type, enabled=False),
-        # the caller's random streams as they were (the units' weights and input draw from them)
-        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-    ):
+    with _as_measured(device):
         x = torch.randn(8, _UNIT_WIDTH, device=device)
         plain, zero2, zero3 = (_units(device) for _ in range(3))
         with fake_mesh(world, rank, device.type) as mesh:
@@ -154,6 +157,70 @@ def _fsdp_host_times(device: torch.device, dtype: torch.dtype | None) -> tuple[f
     gather = (twice - once) / _UNITS
     unit = (once - alone) / _UNITS - gather
     return (unit, gather) if unit > 0 else None
+
+
+def _fake_world() -> tuple[int, int]:
+    """The fake group's size and this rank in it: the job's inside a job (each rank makes its own
+    alone), else rank 0 of 2."""
+    in_job = dist.is_available() and dist.is_initialized()
+    return (dist.get_world_size(), dist.get_rank()) if in_job else (2, 0)
+
+
+@contextlib.contextmanager
+def _as_measured(device: torch.device) -> Iterator[None]:
+    """Whatever the caller's grad mode, default device or autocast (`prepare` may be called from
+    under any of them), with the caller's random streams kept as they were."""
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast(device.type, enabled=False),
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+    ):
+        yield
+
+
+def _dtensor_op_time(device: torch.device) -> float | None:
+    """Seconds of host time one operator on DTensors takes beyond a plain operator on `device`:
+    DTensor's dispatch and sharding propagation, which FSDP2's optimizer step pays for every
+    operator (its parameters, gradients and states are DTensor shards). AdamW's per-parameter
+    loop over `_FEW_SHARDS` and `_MORE_SHARDS` tiny parameters, plain and as shards over a fake
+    group, the runs interleaved and the fastest of each taken; the difference between the
+    counts leaves out each step's fixed cost. Per operator as the cost model counts them
+    (`optimizer.step_traffic`). None where the timings contradict themselves (a busy host)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = _fake_world()
+    with _as_measured(device), fake_mesh(world, rank, device.type) as mesh:
+
+        def parameters(count: int, sharded: bool) -> list[nn.Parameter]:
+            made = []
+            for _ in range(count):
+                local = torch.zeros(_SHARD_NUMEL, device=device)
+                tensor = (
+                    DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+                    if sharded
+                    else local
+                )
+                param = nn.Parameter(tensor)
+                param.grad = torch.ones_like(param)
+                made.append(param)
+            return made
+
+        optimizers = [
+            torch.optim.AdamW(parameters(count, sharded), foreach=False)
+            for sharded in (False, True)
+            for count in (_FEW_SHARDS, _MORE_SHARDS)
+        ]
+        plain_few, plain_more, few, more = _fastest_each(device, [o.step for o in optimizers])
+        operators = (
+            step_traffic(optimizers[1], device.type)[1]
+            - step_traffic(optimizers[0], device.type)[1]
+        )
+    plain = plain_more - plain_few
+    extra = (more - few) - plain
+    if plain <= 0 or extra <= 0 or operators <= 0:
+        return None
+    return extra / operators
 
 
 class _Block(nn.Module):
@@ -222,6 +289,7 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     units = [t.fsdp_unit_s for t in measured if t.fsdp_unit_s is not None]
     gathers = [t.fsdp_gather_s for t in measured if t.fsdp_gather_s is not None]
     everywhere = len(units) == len(gathers) == len(measured)
+    dtensors = [t.dtensor_op_s for t in measured if t.dtensor_op_s is not None]
     own = [t for t in measured if t.model_flops_per_s is not None]
     where = slowest.where + (f", the slowest of {len(reports)} ranks" if len(reports) > 1 else "")
     names = (
@@ -232,6 +300,11 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
     )
     flops = slowest.flops_per_s or constants.flops_per_s
     source = f"{names} {where}"
+    if len(dtensors) == len(measured):
+        source += (
+            f"; DTensor's host time per operator from AdamW's loop over {_FEW_SHARDS} and "
+            f"{_MORE_SHARDS} shards"
+        )
     # the slowest rank's own figures, each where every rank measured it
     moving = [t for t in measured if t.model_memory_bytes_per_s is not None]
     model = min(own, key=lambda t: t.model_flops_per_s or 0.0) if own else None
@@ -256,6 +329,7 @@ def with_device(inputs: PlanInputs, reports: list[RankReport]) -> PlanInputs:
         kernel_launch_s=launch,
         fsdp_unit_s=max(units) if everywhere else constants.fsdp_unit_s,
         fsdp_gather_s=max(gathers) if everywhere else constants.fsdp_gather_s,
+        dtensor_op_s=max(dtensors) if len(dtensors) == len(measured) else constants.dtensor_op_s,
         operator_bytes_per_s=taken.model_memory_bytes_per_s,
         source=f"{source}, otherwise {constants.source}",
     )
