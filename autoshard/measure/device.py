@@ -169,11 +169,14 @@ def _fake_world() -> tuple[int, int]:
 @contextlib.contextmanager
 def _as_measured(device: torch.device) -> Iterator[None]:
     """Whatever the caller's grad mode, default device or autocast (`prepare` may be called from
-    under any of them), with the caller's random streams kept as they were."""
+    under any of them), with the caller's random streams kept as they were. Tensors made without
+    a device go to the CPU, as without a default device: torch 2.11's AdamW makes its `step` so,
+    and under a caller's `torch.device("meta")` read it back from meta."""
     with (
         torch.inference_mode(False),
         torch.enable_grad(),
         torch.autocast(device.type, enabled=False),
+        torch.device("cpu"),
         torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
     ):
         yield
