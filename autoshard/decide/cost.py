@@ -97,10 +97,10 @@ def compute_seconds(inputs: PlanInputs, strategy: Strategy, checkpointed: int) -
     # DTensors above all, that the model counts only in part (per operator, `dtensor_op_s`; on
     # one H100 its step measured 1.4x to 3x the unwrapped one, benchmarks/RESULTS.md);
     # crediting the shard alone would choose ZeRO over DDP for small models by the optimizer's
-    # saving. Offload is FSDP2 too, with that work
-    # and more, so it carries the same term (its own step on the host is added in
-    # `step_seconds`): left out, offload at 16,384 ranks modelled 16 s faster than FULL_SHARD for
-    # a 405B-shaped model, the whole step's 32 TB, and was chosen over it where both fit.
+    # saving. Offload is FSDP2 too, with that work and more, so it carries the same term (its own
+    # step on the host is added in `step_seconds`): left out, offload at 16,384 ranks modelled
+    # 16 s faster than FULL_SHARD for a 405B-shaped model, the whole step's 32 TB, and was chosen
+    # over it where both fit.
     operators += stats.step_operators
     device = (
         flops / hw.flops_per_s

@@ -393,14 +393,15 @@ def retired_bucket_bytes(stats: ModelStats, s: Setting) -> int:
 
     DDP all-reduces its buckets asynchronously; NCCL keeps every tensor of such a collective
     (`stashed_for_allocator_safety_`) until its watchdog, polling every 100 ms, has seen the work
-    complete and the next collective is enqueued. At the second step's forward DDP rebuilds its
-    buckets in the order gradients arrived (`_rebuild_buckets`: new buckets allocated, the old
-    ones dropped), so the first step's buckets, every gradient's bytes, stay allocated beside the
-    new ones into the second step's backward, its peak, unless a poll fell in between. On an H100
-    and an H200 (torch 2.11) a 200M-parameter GPT under DDP at world 1 measured its estimate plus
-    its parameters' fp32 bytes (-13.0%), steps 2 and 3 of a loop; gloo frees them at once (the
-    CPU measurement equals the estimate without them). Counted in both phases: where the
-    optimizer step comes within the 100 ms, they are still there too."""
+    complete, and frees them only when the next collective is enqueued. At the second step's
+    forward DDP rebuilds its buckets in the order gradients arrived (`_rebuild_buckets`: new
+    buckets allocated, the old ones dropped), so the first step's buckets, every gradient's bytes,
+    stay allocated beside the new ones into the second step's backward, which peaks at its start,
+    before a bucket is ready to be enqueued. On an H100 and an H200 (torch 2.11) a 200M-parameter
+    GPT under DDP at world 1 measured its estimate plus its parameters' fp32 bytes (-13.0%) over
+    a loop's third and fourth steps, which its fast steps reached before a watchdog poll; gloo
+    frees them at once (the CPU measurement equals the estimate without them). Counted in both
+    phases: an optimizer step that comes before a poll finds them still there."""
     if s.device_type != "cuda" or recipe(s.strategy).engine is not Engine.DDP:
         return 0
     return stats.trainable_bytes

@@ -15,8 +15,8 @@ small forward and backward of a linear layer runs in fp32 and in the compute dty
 allocated once its tensors are gone is what the step will allocate. They are freed again
 afterwards, and once more by the trial before its step (`trial._workspaces_freed`: the
 calibration's matmuls, or the caller's, allocate them in between), so that the trial step
-measures them as training allocates them. Without a device (a
-what-if plan) torch's default for a Hopper GPU is assumed, two workspaces of it.
+measures them as training allocates them. Without a device (a what-if plan) torch's default for
+a Hopper GPU is assumed, two workspaces of it.
 """
 
 from __future__ import annotations
