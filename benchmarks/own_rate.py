@@ -15,6 +15,9 @@ a GPU.
 
     python benchmarks/own_rate.py                  # the default models, a few minutes
     python benchmarks/own_rate.py --models llama   # one of them
+    python benchmarks/own_rate.py --models resnet --bytes 8 --cut-bytes 0
+        # calls timed together within 8 MiB, those too large for what is left not timed (as
+        # before they were cut to a smaller batch); without --cut-bytes 0, cut and scaled
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from autoshard import Strategy  # noqa: E402
 from autoshard._batch import call_model, compute_loss  # noqa: E402
 from autoshard.decide.cost import step_seconds  # noqa: E402
 from autoshard.measure import device as device_module  # noqa: E402
+from autoshard.measure import rates  # noqa: E402
 from autoshard.measure.rates import model_bandwidth, model_rate  # noqa: E402
 
 # (zoo builder, "external:" for benchmarks/zoo_external.py's, per-rank batch, sizes): large
@@ -144,11 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated names")
     parser.add_argument("--smoke", action="store_true", help="one tiny model (the test's)")
+    parser.add_argument(
+        "--bytes", type=float, help="MiB the calls timed together take at most (rates._BYTES)"
+    )
+    parser.add_argument(
+        "--cut-bytes",
+        type=float,
+        help="MiB a call too large for what is left is cut to (rates._CUT_BYTES; 0: not timed)",
+    )
     args = parser.parse_args(argv)
+    if args.bytes is not None:
+        rates._BYTES = int(args.bytes * 2**20)
+    if args.cut_bytes is not None:
+        rates._CUT_BYTES = int(args.cut_bytes * 2**20)
     chosen = SMOKE if args.smoke else {n: MODELS[n] for n in args.models.split(",")}
     print(
         f"{torch.__version__}, {torch.get_num_threads()} thread(s); the large matmul "
-        f"{_MATMUL}x{_MATMUL} fp32"
+        f"{_MATMUL}x{_MATMUL} fp32; calls timed within {rates._BYTES / 2**20:g} MiB, a larger "
+        f"one cut to {rates._CUT_BYTES / 2**20:g} MiB"
     )
     print(
         "| model | measured step | matmul's FLOP/s | own FLOP/s | copy's B/s | own B/s | "

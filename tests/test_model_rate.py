@@ -171,15 +171,16 @@ def test_calls_that_cannot_run_again_are_priced_at_the_large_matmul_s_rate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An integer tensor (indices, offsets: their values matter), arguments that could not be
-    written, a call larger than the budget: not timed."""
+    written, a call larger than the budget of one row, whose batch cannot be cut: not timed."""
     offsets = arguments_json(
         (torch.empty(8, 4), torch.empty(4, 8), torch.zeros(2, dtype=torch.int32)), {}
     )
     grouped = PricedCall("aten._grouped_mm.default", offsets, 10**6, (1,), 0)
     unwritten = PricedCall("aten.mm.default", "", 10**6, (1,), 0)
-    large = _mm(256, 256, 256, calls=1)
+    large = _mm(1, 4096, 256, calls=100)
     small = _mm(8, 8, 8, calls=1)
-    monkeypatch.setattr(rates_module, "_BYTES", 256 * 256 * 4 * 4)  # less than the large needs
+    monkeypatch.setattr(rates_module, "_BYTES", 4096 * 256 * 4)  # less than the large needs
+    monkeypatch.setattr(rates_module, "_CUT_BYTES", 4096 * 256 * 4)
     got = _timed(monkeypatch, [1e-3])
     profile = _profile(grouped, unwritten, large, small)
     rate, where = model_rate(CPU, profile, 1e9) or (0.0, "")
@@ -188,6 +189,90 @@ def test_calls_that_cannot_run_again_are_priced_at_the_large_matmul_s_rate(
     assert math.isclose(rate, 3 * profile.total_forward_flops / (1e-3 + 3 * rest / 1e9))
     _timed(monkeypatch, [])
     assert model_rate(CPU, _profile(grouped, unwritten), 1e9) is None
+
+
+def test_a_call_too_large_for_the_bytes_left_runs_alone_at_a_cut_batch_scaled_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large batch's matmul that the budget cannot hold runs alone at as many rows as
+    `_CUT_BYTES` holds, its time multiplied by its rows' ratio (its FLOPs'), and the sentence
+    says so; a call that fits is timed with the others, whole."""
+    large, small = _mm(1024, 64, 32, calls=2), _mm(8, 8, 8, calls=2000)  # 80% and 20%
+    rows = 1024 * 64 * 4 * 2  # bytes one row of the large takes: its input and gradient
+    fixed = 64 * 32 * 4 * 2  # the weight's and its gradient's
+    output = 32 * 4 * 2  # one row's output and its gradient
+    monkeypatch.setattr(rates_module, "_BYTES", 10_000)  # the small's and no more
+    monkeypatch.setattr(rates_module, "_CUT_BYTES", fixed + 100 * (rows // 1024 + output))
+    monkeypatch.setattr(rates_module, "_RUN_S", 0.0)  # each call in one copy
+    seen = _Matmuls()
+    timed: list[int] = []
+
+    def timer(device: torch.device, runs: list[Callable[[], object]]) -> list[float]:
+        timed.append(len(runs))
+        with seen:
+            for run in runs:
+                run()
+        return [1e-3] * len(runs)
+
+    monkeypatch.setattr(rates_module, "_fastest_each", timer)
+    rate, where = model_rate(CPU, _profile(large, small), 1e9) or (0.0, "")
+    assert timed == [1, 1]  # the large alone, then the small
+    sizes = {n for args in seen.seen for t in args for n in t.shape}
+    assert 100 in sizes and 1024 not in sizes  # forward and backward at 100 rows
+    seconds = 2 * 1e-3 * 1024 / 100 + 2000 * 1e-3
+    total = large.total_flops + small.total_flops
+    assert math.isclose(rate, 3 * total / seconds, rel_tol=1e-12)
+    assert where.startswith("2 of its FLOP-bound calls (mm; 100% of its FLOPs) run forward")
+    assert where.endswith(" (1 at a smaller batch, scaled to their own)"), where
+
+
+def _conv(batch: int, channels: int, side: int, channels_last: bool = False) -> str:
+    x = torch.empty(batch, channels, side, side, requires_grad=True)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w = torch.empty(channels, channels, 3, 3, requires_grad=True)
+    return arguments_json((x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {})
+
+
+def test_a_convolution_is_cut_in_its_batch_alone_whatever_its_channels() -> None:
+    """The batch is the output's first dimension: the input's is cut, and where the weight's
+    output channels equal the batch (every tensor of that first dimension cut fails on meta),
+    the first such tensor alone; a channels-last input stays channels last, the cut fits."""
+    convolution = "aten.convolution.default"
+    for batch, channels_last in ((32, False), (16, False), (16, True)):
+        arguments = _conv(batch, 16, 8, channels_last)
+        whole = rates_module._cut_bytes(
+            rates_module._operator(convolution), arguments, [0], batch,
+            rates_module._meta_outputs(rates_module._operator(convolution), arguments),
+        )  # fmt: skip
+        written, scale = rates_module._cut(convolution, arguments, whole // 2, by_bytes=False)
+        x, w = rates_module._tensor_specs(json.loads(written))[:2]
+        assert w[0] == [16, 16, 3, 3]  # the weight whole
+        assert x[0][0] < batch and x[0][1:] == [16, 8, 8] and scale == batch / x[0][0]
+        assert x[0][0] >= batch // 2 - 2  # as many rows as fit, the weight's bytes apart
+        args, kwargs = rates_module._made(written, torch.device("meta"))
+        assert args[0].is_contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        )
+        operator = rates_module._operator(convolution)
+        assert rates_module._held(operator, args, kwargs, operator(*args, **kwargs)) <= whole // 2
+
+
+def test_a_call_whose_batch_cannot_be_cut_is_not_run_at_another() -> None:
+    """A reduction over the batch (its output keeps no batch), one row, a view whose
+    arguments name the batch's size (the cut call fails on meta): left to the roofline."""
+    cases = [
+        ("aten.sum.dim_IntList", arguments_json((torch.empty(64, 32), [0]), {})),
+        ("aten.mm.default", arguments_json((torch.empty(1, 64), torch.empty(64, 64)), {})),
+        ("aten.view.default", arguments_json((torch.empty(64, 32), [64, 8, 4]), {})),
+    ]
+    for name, arguments in cases:
+        with pytest.raises(rates_module._NotRun, match="batch"):
+            rates_module._cut(name, arguments, 2**30, by_bytes=False)
+    mm = arguments_json((torch.empty(8, 64), torch.empty(64, 64)), {})
+    assert rates_module._cut("aten.mm.default", mm, 2**30, by_bytes=False) == (mm, 1.0)
+    whole = (8 * 64 + 64 * 64 + 8 * 64) * 4  # its inputs and its output
+    assert rates_module._cut("aten.mm.default", mm, whole - 1, by_bytes=False)[1] == 8 / 7
 
 
 def _depthwise(calls: int) -> PricedCall:

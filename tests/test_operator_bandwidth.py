@@ -187,6 +187,41 @@ def test_the_bandwidth_prices_each_call_as_often_as_it_runs(
     )
 
 
+def test_a_memory_bound_call_too_large_runs_alone_at_a_cut_batch_scaled_by_its_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its time at the rows `_CUT_BYTES` holds, times its bytes' ratio (a memory-bound call's
+    time is its bytes'), and the sentence says so."""
+    big = _add(256, 64, calls=3)
+    row = 3 * 64 * 4  # the two inputs' and the output's bytes of one row
+    monkeypatch.setattr(rates_module, "_BYTES", 1000)  # not one row more
+    monkeypatch.setattr(rates_module, "_CUT_BYTES", 40 * row)
+    got = _timed(monkeypatch, [2e-4])
+    bandwidth, where = model_bandwidth(CPU, _profile(big), 1e9) or (0.0, "")
+    assert got == [1]
+    assert math.isclose(bandwidth, big.total_bytes / (3 * 2e-4 * 256 / 40), rel_tol=1e-12)
+    assert where == (
+        "1 of its memory-bound calls (add; 100% of its bytes) run again at its own shapes"
+        " (1 at a smaller batch, scaled to their own)"
+    )
+
+
+def test_a_backward_is_cut_in_every_tensor_of_the_batch() -> None:
+    """A normalisation's backward takes the output's gradient and the input, both of the
+    batch: cut together (the gradient alone would leave the input's gradient whole, refused),
+    the weight and the saved statistics of the channels whole; its factor is its bytes'
+    ratio."""
+    x, w = torch.empty(64, 32, 8, 8), torch.empty(32)
+    name = "aten.native_batch_norm_backward.default"
+    arguments = arguments_json((x, x, w, w, w, w, w, True, 1e-5, [True, True, True]), {})
+    written, scale = rates_module._cut(name, arguments, 40 * 32 * 8 * 8 * 4, by_bytes=True)
+    shapes = [shape for shape, *_ in rates_module._tensor_specs(json.loads(written))]
+    assert shapes[0] == shapes[1] and shapes[0][0] < 64 and shapes[0][1:] == [32, 8, 8]
+    assert all(shape == [32] for shape in shapes[2:])
+    moved = rates_module._moved(name, arguments), rates_module._moved(name, written)
+    assert scale == moved[0] / moved[1] and moved[0] > moved[1] > 0
+
+
 def test_memory_bound_calls_are_timed_until_they_move_most_of_the_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

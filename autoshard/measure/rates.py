@@ -10,10 +10,14 @@ device at their traced shapes, strides and dtypes, on random tensors, forward an
 timed (`device._fastest_each`): those taking the most time first as a roofline has it
 (`_Roofline`: the large matmul's FLOP/s or the large copy's bandwidth, whichever is slower for
 the call), up to `_MOST` of them, until they take `_COVERED` of the forward's time so reckoned.
-A call not timed (too large for `_BYTES`, an integer tensor whose values matter, an operator that
-cannot be run again) is priced by that roofline. The rate returned is in the cost model's terms,
-three times the forward's FLOPs a step (`cost.compute_seconds`): those FLOPs over the seconds the
-timed calls take, each as often as the whole model runs it, and the rest's by the roofline.
+A call too large for the bytes left of `_BYTES` runs alone, within `_CUT_BYTES`, at a smaller
+batch where it must, its time scaled back to its own (`_cut`): a large batch's convolutions and
+normalisations are what a convolution net's step is made of, and they run far from a large
+matmul's rate or a large copy's bandwidth. A call not timed (no batch to cut, an integer tensor
+whose values matter, an operator that cannot be run again) is priced by that roofline. The rate
+returned is in the cost model's terms, three times the forward's FLOPs a step
+(`cost.compute_seconds`): those FLOPs over the seconds the timed calls take, each as often as
+the whole model runs it, and the rest's by the roofline.
 
 The memory-bound operators (elementwise, normalisations, softmax, casts: the bytes they read and
 write, `ActivationProfile.forward_traffic`, priced at a large copy's bandwidth) are timed alike
@@ -53,6 +57,10 @@ _COVERED = 0.9  # timed until they take this share of the forward's time (or mov
 # The calls' tensors at most, all of them together (inputs and outputs, and their gradients):
 # room beside a model already on the device. A larger call runs near a large matmul's rate.
 _BYTES = 512 * 2**20
+# A call larger than the bytes left for it runs alone at a batch cut to this many bytes at most,
+# its time scaled back (`_cut`): large enough that a GPU's kernels fill it, and that a
+# memory-bound one's tensors do not sit in its L2 cache (50 MiB on an H100).
+_CUT_BYTES = _BYTES // 2
 # A timed run holds copies of a small call (its inputs shared, each copy its own leaf), their
 # forwards launched one after another, then one backward of them all: about this long, so that
 # the host's work per copy is what a step's eager operator costs it, and the device, ahead of
@@ -99,6 +107,10 @@ _ANY_VALUES = frozenset(
 
 class _NotRun(Exception):
     """A call that is not run again: see the module's docstring."""
+
+
+class _TooLarge(_NotRun):
+    """A call whose tensors take more than the bytes left for it (`_cut` may make it fit)."""
 
 
 def with_model_rate(
@@ -154,7 +166,7 @@ def model_rate(
     whole = sum(map(roofline.seconds, calls)) + unrecorded
     kind = _Kind(_MOST, roofline.seconds, _no_flops)
     with _cache_given_back(device):
-        timings = _timed(device, calls, kind, whole)
+        timings, cut = _timed(device, calls, kind, whole)
     if not timings:
         return None
     timed = [call for call, _ in timings]
@@ -164,6 +176,7 @@ def model_rate(
     where = (
         f"{len(timings)} of its FLOP-bound calls ({_names(timings)}; "
         f"{min(share, 1.0):.0%} of its FLOPs) run forward and backward at its own shapes"
+        f"{_scaled(cut)}"
     )
     return 3 * total / max(seconds, 1e-12), where
 
@@ -221,8 +234,8 @@ def model_bandwidth(
     if total <= 0:
         return None
     with _cache_given_back(device):
-        kind = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values)
-        timings = _timed(device, profile.moving_calls, kind, total)
+        kind = _Kind(_MOST_MOVING, lambda call: call.total_bytes, _checks_values, by_bytes=True)
+        timings, cut = _timed(device, profile.moving_calls, kind, total)
     if not timings:
         return None
     timed = sum(call.total_bytes for call, _ in timings)
@@ -230,7 +243,7 @@ def model_bandwidth(
     seconds += max(total - timed, 0) / copy_bytes_per_s  # the rest at the copy's bandwidth
     where = (
         f"{len(timings)} of its memory-bound calls ({_names(timings)}; "
-        f"{min(timed / total, 1.0):.0%} of its bytes) run again at its own shapes"
+        f"{min(timed / total, 1.0):.0%} of its bytes) run again at its own shapes{_scaled(cut)}"
     )
     return total / max(seconds, 1e-12), where
 
@@ -257,6 +270,8 @@ class _Kind:
     most: int
     weight: Callable[[Any], float]
     runs: Callable[[Any], None]
+    # a call timed at a cut batch scaled by its bytes (memory-bound), else by its rows
+    by_bytes: bool = False
 
 
 def _no_flops(call: PricedCall) -> None:
@@ -271,28 +286,172 @@ def _checks_values(call: MovingCall) -> None:
 
 def _timed(
     device: torch.device, calls: Sequence[Call], kind: _Kind, total: float
-) -> list[tuple[Call, float]]:
+) -> tuple[list[tuple[Call, float]], int]:
     """The calls of `kind` timed, the heaviest first, until they weigh `_COVERED` of `total`,
-    each with its seconds a call. Their tensors are gone on return."""
+    each with its seconds a call, and how many of them were timed at a cut batch (`_alone`: a
+    call too large for the bytes left, timed alone).
+    Their tensors are gone on return."""
     with _replaying(device):
         chosen: list[tuple[Call, Callable[[], None], int]] = []
+        alone: list[tuple[Call, float, bool]] = []
         budget = _BYTES
         for call in calls:
-            if len(chosen) >= kind.most:
+            if len(chosen) + len(alone) >= kind.most:
                 break
-            if sum(kind.weight(c) for c, _, _ in chosen) >= _COVERED * total:
+            weighed = [c for c, _, _ in chosen] + [c for c, _, _ in alone]
+            if sum(kind.weight(c) for c in weighed) >= _COVERED * total:
                 break
             try:
                 kind.runs(call)
-                share = budget // (kind.most - len(chosen))
+                share = budget // (kind.most - len(weighed))
                 run, copies, used = _run_again(call.operator, call.arguments, device, budget, share)
+            except _TooLarge:
+                try:
+                    seconds, cut = _alone(call, device, kind.by_bytes)
+                    alone.append((call, seconds, cut))
+                except Exception:  # noqa: BLE001 - see the module's docstring
+                    logger.debug("not timed at a cut batch: %s", call.operator, exc_info=True)
+                continue
             except Exception:  # noqa: BLE001 - see the module's docstring
                 logger.debug("not timed: %s", call.operator, exc_info=True)
                 continue
             chosen.append((call, run, copies))
             budget -= used
         times = _fastest_each(device, [run for _, run, _ in chosen]) if chosen else []
-    return [(call, t / copies) for (call, _, copies), t in zip(chosen, times, strict=True)]
+    timings = [(call, t / copies) for (call, _, copies), t in zip(chosen, times, strict=True)]
+    timings += [(call, seconds) for call, seconds, _ in alone]
+    return timings, sum(cut for _, _, cut in alone)
+
+
+def _alone(
+    call: PricedCall | MovingCall, device: torch.device, by_bytes: bool
+) -> tuple[float, bool]:
+    """The seconds of `call`, too large for the bytes left, run alone: whole within
+    `_CUT_BYTES`, else at a batch cut to them (`_cut`) and scaled back to its own; and whether it
+    was cut."""
+    free = _free(device)
+    allowance = _CUT_BYTES if free is None else min(_CUT_BYTES, free // 2)
+    arguments, scale = _cut(call.operator, call.arguments, allowance, by_bytes)
+    run, copies, _ = _run_again(call.operator, arguments, device, allowance, allowance)
+    return _fastest_each(device, [run])[0] / copies * scale, arguments != call.arguments
+
+
+def _cut(name: str, arguments: str, allowance: int, by_bytes: bool) -> tuple[str, float]:
+    """`arguments` with their batch cut so that the call's tensors take `allowance` bytes at most
+    (as `_run_again` counts them; as they are where they do already), and what the cut call's
+    time is multiplied by to give the traced call's: its rows' ratio (a FLOP-bound call's FLOPs
+    are its output rows' times theirs), or where `by_bytes` its bytes' (`_moved`: a memory-bound
+    call's time is its bytes').
+
+    The batch is the first output's first dimension, of B rows. It is cut in every tensor
+    argument whose first dimension is B, or where that fails (another's may be B by chance: a
+    square weight) in the first of them alone; a cut that runs on meta with each output the
+    traced one, or the traced one with its first dimension cut alike (the first output so cut),
+    is taken. A dense tensor keeps its dimensions' order (channels last, a transpose); a view's
+    strides are kept. Raises `_NotRun` where no such cut fits."""
+    operator = _operator(name)
+    traced = _meta_outputs(operator, arguments)
+    rows = traced[0].shape[0] if traced and traced[0].dim() else 0
+    if rows < 2:
+        raise _NotRun("no batch to cut")
+    tensors = _tensor_specs(json.loads(arguments))
+    batch = [i for i, (shape, *_) in enumerate(tensors) if shape and shape[0] == rows]
+    for which in (batch, batch[:1]):
+        if not which:
+            continue
+        try:
+            fewest = _cut_bytes(operator, arguments, which, 1, traced)
+            most = _cut_bytes(operator, arguments, which, rows, traced)
+        except Exception:  # noqa: BLE001 - another cut, or none
+            continue
+        if most <= allowance:  # whole, alone
+            return arguments, 1.0
+        if fewest > allowance:
+            raise _TooLarge(f"{fewest} bytes at one row, {allowance} free for it")
+        # the bytes are affine in the rows (each cut tensor's extent is)
+        cut = min(rows - 1, 1 + (allowance - fewest) * (rows - 1) // max(most - fewest, 1))
+        written = _with_rows(arguments, which, cut)
+        if _cut_bytes(operator, arguments, which, cut, traced) > allowance:
+            raise _TooLarge("its bytes are not affine in its rows")
+        if not by_bytes:
+            return written, rows / cut
+        before, after = _moved(name, arguments), _moved(name, written)
+        if before <= 0 or after <= 0:
+            raise _NotRun("its bytes were not found")
+        return written, before / after
+    raise _NotRun("its batch could not be cut")
+
+
+def _cut_bytes(
+    operator: Any, arguments: str, which: list[int], rows: int, traced: list[torch.Tensor]
+) -> int:
+    """The bytes the call takes (inputs, outputs and gradients, as `_run_again` counts them)
+    with the tensors `which` cut to `rows`; raises where it fails to run on meta or its outputs
+    are not the traced ones cut alike."""
+    args, kwargs = _made(_with_rows(arguments, which, rows), _META)
+    out = operator(*args, **kwargs)
+    outputs = [t for t in tree_leaves(out) if _is_tensor(t)]
+    full = traced[0].shape[0]
+    if len(outputs) != len(traced) or not _cut_alike(outputs[0], traced[0], rows, full):
+        raise _NotRun("its first output is not cut with its batch")
+    for got, was in zip(outputs, traced, strict=True):
+        if got.shape != was.shape and not _cut_alike(got, was, rows, full):
+            raise _NotRun("an output is not the traced one, cut or not")
+    return _held(operator, args, kwargs, out)
+
+
+def _cut_alike(got: torch.Tensor, was: torch.Tensor, rows: int, full: int) -> bool:
+    """Whether `got` is `was` with its first dimension cut as `rows` of `full`."""
+    return (
+        got.dim() == was.dim() >= 1
+        and got.shape[1:] == was.shape[1:]
+        and got.shape[0] * full == was.shape[0] * rows
+    )
+
+
+def _with_rows(arguments: str, which: list[int], rows: int) -> str:
+    """`arguments` with the tensors `which` (in `_tensor_specs`' order) cut to `rows` in their
+    first dimension."""
+    spec = json.loads(arguments)
+    for i, written in enumerate(_tensor_specs(spec)):
+        if i in which:
+            shape, stride = written[0], written[1]
+            written[1] = _dense_strides([rows, *shape[1:]], shape, stride)
+            shape[0] = rows
+    return json.dumps(spec, sort_keys=True)
+
+
+def _dense_strides(shape: list[int], traced: list[int], stride: list[int]) -> list[int]:
+    """The strides of a tensor of `shape` laid out as one of `traced` shape with `stride` is:
+    dense in the same order of dimensions where that one is dense, else `stride` itself."""
+    order = sorted(range(len(traced)), key=lambda d: stride[d])  # innermost first
+    expected, dense = 1, True
+    for d in order:
+        dense = dense and (traced[d] == 1 or stride[d] == expected)
+        expected *= traced[d]
+    if not dense:
+        return stride
+    new, step = [0] * len(shape), 1
+    for d in order:
+        new[d] = step
+        step *= shape[d]
+    return new
+
+
+def _tensor_specs(value: Any) -> list[list[Any]]:
+    """The tensors written in `value` (`priced.arguments_json`), each its [shape, stride, dtype,
+    requires_grad] list, the arguments' first, then the keywords' in their order."""
+    if isinstance(value, dict) and set(value) == {"tensor"}:
+        return [value["tensor"]]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_specs(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _tensor_specs(v)]
+    return []
+
+
+def _scaled(cut: int) -> str:
+    return f" ({cut} at a smaller batch, scaled to their own)" if cut else ""
 
 
 def _names(timings: Sequence[tuple[PricedCall | MovingCall, float]]) -> str:
@@ -337,14 +496,12 @@ def _run_again(
     meta_args, meta_kwargs = _made(arguments, _META)
     meta_out = operator(*meta_args, **meta_kwargs)
     held = _bytes((meta_args, meta_kwargs))  # shared by every copy
-    each = _bytes(meta_out)  # a copy's outputs
-    if any(t.requires_grad for t in tree_leaves((meta_args, meta_kwargs)) if _is_tensor(t)):
-        each = each * 2 + held  # and their gradients, and the inputs'
+    each = _held(operator, meta_args, meta_kwargs, meta_out) - held  # a copy's
     free = _free(device)
     if free is not None:  # half the device's free memory at most
         budget = min(budget, free // 2)
     if held + each > budget:
-        raise _NotRun(f"{held + each} bytes, {budget} free for it")
+        raise _TooLarge(f"{held + each} bytes, {budget} free for it")
     args, kwargs = _made(arguments, device)
     single = _copies(operator, args, kwargs, 1)
     single()  # the first run warms up (kernels chosen, workspaces made)
@@ -358,6 +515,21 @@ def _run_again(
     run = single if copies == 1 else _copies(operator, args, kwargs, copies)
     run()
     return run, copies, held + copies * each
+
+
+def _held(operator: Any, args: list[Any], kwargs: dict[str, Any], out: Any) -> int:
+    """The bytes one copy of a call holds (on meta, their sizes): its inputs, its outputs, and
+    where a tensor needs a gradient the outputs' and the inputs' gradients."""
+    inputs, outputs = _bytes((args, kwargs)), _bytes(out)
+    if any(t.requires_grad for t in tree_leaves((args, kwargs)) if _is_tensor(t)):
+        return inputs + outputs * 2 + inputs
+    return inputs + outputs
+
+
+def _meta_outputs(operator: Any, arguments: str) -> list[torch.Tensor]:
+    """The call's output tensors on meta."""
+    args, kwargs = _made(arguments, _META)
+    return [t for t in tree_leaves(operator(*args, **kwargs)) if _is_tensor(t)]
 
 
 def _made(arguments: str, device: torch.device) -> tuple[list[Any], dict[str, Any]]:
