@@ -306,3 +306,38 @@ def test_the_model_s_own_flop_bound_calls_run_again_on_this_gpu() -> None:
     assert "memory-bound calls (" in moving[1], moving
     # the replays' memory given back: no more unused memory cached than before
     assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) <= cached
+
+
+def test_a_convolution_net_s_calls_too_large_for_the_budget_run_on_this_gpu_at_a_cut_batch() -> (
+    None
+):
+    """Issue 26: the suite's resnet (a 3x3 stem, its first stage at 224 px and 64 channels, batch
+    64) modelled its step 61% short on the H200, its first two stages' calls each larger than the
+    512 MiB budget and priced at a large matmul's rate. They run alone at a smaller batch now:
+    cuDNN's convolutions and batch norms at the cut shapes, forward and backward, the plan's
+    sentence saying so, the rates a GPU's, the memory given back."""
+    import zoo
+
+    from autoshard.decide.blocks import find_blocks
+    from autoshard.measure import rates
+    from autoshard.measure.device import device_throughput
+    from autoshard.measure.trace import profile_step
+
+    device = _device()
+    built = zoo.BUILDERS["resnet"](
+        64, device=device, image_size=224, widths=(64, 128, 256, 512), blocks_per_stage=3,
+        classes=1000,
+    )  # fmt: skip
+    blocks = [m for _, m in find_blocks(built.model)]
+    profile = profile_step(built.model, blocks, built.batch, built.loss_fn, torch.bfloat16)
+    peak = device_throughput(device, torch.bfloat16)
+    assert peak is not None and peak.flops_per_s is not None
+    assert peak.memory_bytes_per_s is not None
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    found = rates.model_rate(device, profile, peak.flops_per_s, peak.memory_bytes_per_s)
+    assert found is not None and found[0] > 1e12, found
+    assert "convolution" in found[1] and " at a smaller batch, scaled to their own)" in found[1]
+    moving = rates.model_bandwidth(device, profile, peak.memory_bytes_per_s)
+    assert moving is not None and moving[0] > 1e10, moving
+    assert " at a smaller batch, scaled to their own)" in moving[1], moving
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) <= cached

@@ -55,7 +55,7 @@ _META = torch.device("meta")
 _MOST = 8  # calls timed at most
 _COVERED = 0.9  # timed until they take this share of the forward's time (or move of its bytes)
 # The calls' tensors at most, all of them together (inputs and outputs, and their gradients):
-# room beside a model already on the device. A larger call runs near a large matmul's rate.
+# room beside a model already on the device. A call larger than what is left runs alone.
 _BYTES = 512 * 2**20
 # A call larger than the bytes left for it runs alone at a batch cut to this many bytes at most,
 # its time scaled back (`_cut`): large enough that a GPU's kernels fill it, and that a
@@ -289,8 +289,7 @@ def _timed(
 ) -> tuple[list[tuple[Call, float]], int]:
     """The calls of `kind` timed, the heaviest first, until they weigh `_COVERED` of `total`,
     each with its seconds a call, and how many of them were timed at a cut batch (`_alone`: a
-    call too large for the bytes left, timed alone).
-    Their tensors are gone on return."""
+    call too large for the bytes left, timed alone). Their tensors are gone on return."""
     with _replaying(device):
         chosen: list[tuple[Call, Callable[[], None], int]] = []
         alone: list[tuple[Call, float, bool]] = []
