@@ -309,7 +309,12 @@ def _simulated(
         gathered.mixed_precision,
         [*reasons, usable_reason, *gathered.meta_note, gathered.report.measured.trace_note],
     )
-    inputs = with_cublas(replace(inputs, host_usable_bytes=usable_host_memory(reports)), reports)
+    # DDP as `prepare` builds it (`Plan.find_unused_parameters`), which the estimate's buckets
+    # depend on (`estimate.retired_bucket_bytes`)
+    unused = any(r.measured.profile and r.measured.profile.unused_parameters for r in reports)
+    setting = replace(inputs.setting, find_unused=unused or drop is not None)
+    inputs = replace(inputs, setting=setting, host_usable_bytes=usable_host_memory(reports))
+    inputs = with_cublas(inputs, reports)
     inputs = with_device(with_host(inputs, reports), reports)
     job = _job(target, num_nodes, drop, unshardable)
     inputs = replace(inputs, unshardable=never_sharded(job))

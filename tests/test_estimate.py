@@ -892,3 +892,11 @@ def test_ddp_s_first_buckets_are_counted_on_cuda_where_nccl_holds_them_into_the_
             held = of.trainable_bytes if ddp else 0
             assert cuda.comm_buffers - cpu.comm_buffers == held, (strategy, world)
             assert terms_of(cuda)[:4] == terms_of(cpu)[:4]
+            # looking for unused parameters, DDP never rebuilds its buckets: none retired
+            unused = dataclasses.replace(on_cuda, find_unused=True)
+            looking = (
+                estimate(stats, profile, unused)
+                if of is stats
+                else from_simulation(_sim_stats(), None, unused, sim)
+            )
+            assert terms_of(looking) == terms_of(cpu), (strategy, world)

@@ -248,6 +248,10 @@ class Setting:
     # cuBLAS/cuBLASLt workspaces a step allocates per rank (`measure.cublas`); 0 off CUDA,
     # where kernels' scratch is held per call in the simulation (`measure.workspace`)
     library_workspace_bytes: int = 0
+    # DDP looks for parameters without a gradient every step (find_unused_parameters=True: the
+    # trace left some without one, or the model skips layers at random): it never rebuilds its
+    # buckets (`retired_bucket_bytes`)
+    find_unused: bool = False
 
 
 def estimate(
@@ -401,8 +405,11 @@ def retired_bucket_bytes(stats: ModelStats, s: Setting) -> int:
     GPT under DDP at world 1 measured its estimate plus its parameters' fp32 bytes (-13.0%) over
     a loop's third and fourth steps, which its fast steps reached before a watchdog poll; gloo
     frees them at once (the CPU measurement equals the estimate without them). Counted in both
-    phases: an optimizer step that comes before a poll finds them still there."""
-    if s.device_type != "cuda" or recipe(s.strategy).engine is not Engine.DDP:
+    phases: an optimizer step that comes before a poll finds them still there. None where DDP
+    looks for unused parameters: it then never rebuilds its buckets
+    (`Reducer::should_rebuild_buckets`, torch 2.11 to 2.15, without `static_graph`, which
+    autoshard does not set)."""
+    if s.device_type != "cuda" or recipe(s.strategy).engine is not Engine.DDP or s.find_unused:
         return 0
     return stats.trainable_bytes
 
