@@ -16,8 +16,9 @@ a GPU.
     python benchmarks/own_rate.py                  # the default models, a few minutes
     python benchmarks/own_rate.py --models llama   # one of them
     python benchmarks/own_rate.py --models resnet --bytes 8 --cut-bytes 0
-        # calls timed together within 8 MiB, those too large for what is left not timed (as
-        # before they were cut to a smaller batch); without --cut-bytes 0, cut and scaled
+        # calls timed together within 8 MiB, those too large for what is left not timed (the
+        # rule before b17f97a); without --cut-bytes 0 they run alone, at a cut batch where they
+        # must (`rates._cut`)
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cut-bytes",
         type=float,
-        help="MiB a call too large for what is left is cut to (rates._CUT_BYTES; 0: not timed)",
+        help="MiB a call too large for what is left runs alone within (rates._CUT_BYTES; 0: not "
+        "timed)",
     )
     args = parser.parse_args(argv)
     if args.bytes is not None:
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{torch.__version__}, {torch.get_num_threads()} thread(s); the large matmul "
         f"{_MATMUL}x{_MATMUL} fp32; calls timed within {rates._BYTES / 2**20:g} MiB, a larger "
-        f"one cut to {rates._CUT_BYTES / 2**20:g} MiB"
+        f"one alone within {rates._CUT_BYTES / 2**20:g} MiB"
     )
     print(
         "| model | measured step | matmul's FLOP/s | own FLOP/s | copy's B/s | own B/s | "
