@@ -325,9 +325,9 @@ def _timed(
 def _alone(
     call: PricedCall | MovingCall, device: torch.device, by_bytes: bool
 ) -> tuple[float, bool]:
-    """The seconds of `call`, too large for the bytes left, run alone: whole within
-    `_CUT_BYTES`, else at a batch cut to them (`_cut`) and scaled back to its own; and whether it
-    was cut."""
+    """The seconds of `call`, too large for the bytes left, run alone where it has a batch
+    (`_cut`: one whose first output has no batch to cut is not run): whole within `_CUT_BYTES`,
+    else at a batch cut to them and scaled back to its own; and whether it was cut."""
     free = _free(device)
     allowance = _CUT_BYTES if free is None else min(_CUT_BYTES, free // 2)
     arguments, scale = _cut(call.operator, call.arguments, allowance, by_bytes)
