@@ -258,7 +258,7 @@ def test_a_draw_compared_with_a_bound_outside_its_range_is_answered_one_inside_n
         ]
         assert all(place.startswith(__file__) for place in mode.draws.random_reads)
         with pytest.raises(DataDependentOutputException):
-            bool(torch.zeros([]) < 0.0)  # not a draw: its values are unknown
+            bool(torch.randn([]) < 0.0)  # not a uniform draw: its values are unknown
         with pytest.raises(DataDependentOutputException):
             bool(torch.rand([]) * 2 < 1.0)  # no longer a draw in [0, 1)
         scaled = torch.rand([])

@@ -46,6 +46,7 @@ rules FSDP2 out (`strategies.recipes`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -62,6 +63,7 @@ from autoshard._torch_compat import (
     resolve,
     writes_arguments,
 )
+from autoshard.measure.known import Known, transformers_reads_known_values
 
 READ_BACK = op_overload("_local_scalar_dense")  # what `bool(tensor)` and `.item()` run
 NONZERO = torch.ops.aten.nonzero.default  # what `torch.where(mask)` and `mask.nonzero()` run
@@ -311,22 +313,48 @@ class Draws:
 @functools.cache
 def decided_draws() -> type:
     """A FakeTensorMode that answers the read-back of a uniform draw compared with a bound
-    (the module's docstring), before its dispatch cache is consulted; every other read-back as
-    torch's fake mode does (or the `answering` kernel). It overrides `dispatch`, which
+    (the module's docstring), and of a tensor whose every element is one known value
+    (`known.Known`), before its dispatch cache is consulted; every other read-back as torch's
+    fake mode does (or the `answering` kernel). It overrides `dispatch`, which
     `__torch_dispatch__` calls on every torch 2.11 to 2.15; a torch that did not call it would
-    leave every draw undecided, as before."""
+    leave every draw undecided, and every value unknown, as before. While it is entered,
+    transformers reads the known values as the real step does
+    (`known.transformers_reads_known_values`)."""
     base = resolve("FakeTensorMode")
 
     class DecidedDraws(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.draws = Draws()
+            self.known = Known()
+            self._reading: list[contextlib.AbstractContextManager[None]] = []
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            reading = transformers_reads_known_values()
+            reading.__enter__()
+            self._reading.append(reading)
+            try:
+                return super().__enter__()
+            except BaseException:
+                self._reading.pop().__exit__(None, None, None)
+                raise
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            try:
+                return super().__exit__(*exc)
+            finally:
+                self._reading.pop().__exit__(None, None, None)
 
         def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func is READ_BACK and args and (answer := self.draws.answer(args[0])) is not None:
-                return answer
+            if func is READ_BACK and args:
+                answer = self.draws.answer(args[0])
+                if answer is None:
+                    answer = self.known.read_back(args[0])
+                if answer is not None:
+                    return answer
             out = super().dispatch(func, types, args, kwargs)
             self.draws.follow(func, args, out)
+            self.known.follow(func, args, kwargs or {}, out)
             return out
 
     return DecidedDraws

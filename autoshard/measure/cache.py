@@ -71,6 +71,7 @@ from torch import nn
 from autoshard._torch_compat import compiled_module
 from autoshard.decide.estimate import Phase, Simulated
 from autoshard.decide.profile import ActivationProfile, MovingCall, PricedCall
+from autoshard.measure.known import uniform_value
 
 logger = logging.getLogger("autoshard")
 
@@ -403,8 +404,12 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> li
 
 def describe_batch(batch: Any) -> Any:
     """Its structure (the mappings' and sequences' kinds and keys), and each tensor's shape,
-    strides, dtype and device; other values as they are. An object of another kind is refused
-    (`digest` then keeps nothing): it may hold tensors that would go undescribed."""
+    strides, dtype and device, and the one value all its elements hold where they do (the fake
+    steps follow it: `known`, an attention mask of ones); other values as they are. An object of
+    another kind is refused (`digest` then keeps nothing): it may hold tensors that would go
+    undescribed."""
+    if isinstance(batch, torch.Tensor):
+        return [_describe_tensor(batch), uniform_value(batch)]
     if isinstance(batch, Mapping):
         items = sorted((str(k), describe_batch(v)) for k, v in batch.items())
         return [type(batch).__qualname__, items]

@@ -35,6 +35,7 @@ from autoshard._torch_compat import (
     tree_map,
 )
 from autoshard.measure.answers import READ_BACK, answering, decided_draws, finding
+from autoshard.measure.known import uniform_value
 
 
 def fake_mode() -> Any:
@@ -484,7 +485,17 @@ def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
     if x.device.type == "meta":  # made as from_tensor would: its strides and its gradient kept
         made = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
         return made.requires_grad_(x.requires_grad)
-    return mode.from_tensor(x).to(device)
+    made = mode.from_tensor(x)
+    batch_value(mode, made, x)
+    return made.to(device)
+
+
+def batch_value(mode: Any, fake: torch.Tensor, real: torch.Tensor) -> None:
+    """`fake`, made of the batch's `real`, carries the one value all its elements hold, if they
+    do (`known`: the real step's branches on it are taken in the simulation too)."""
+    known = getattr(mode, "known", None)
+    if known is not None:
+        known.note(fake, uniform_value(real))
 
 
 def fake_optimizer(

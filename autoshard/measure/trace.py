@@ -52,7 +52,7 @@ from autoshard._torch_compat import (
 )
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed, found_together
-from autoshard.measure.fake import fake_mode, fake_tensor, wider_fake_kernels
+from autoshard.measure.fake import batch_value, fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
 from autoshard.wrap.snapshot import attributes_kept
 
@@ -482,7 +482,13 @@ def fake_state(
         for n, p in model.named_parameters(remove_duplicate=False)
     }
     state.update({n: fake(t) for n, t in model.named_buffers(remove_duplicate=False)})
-    fake_batch = tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
+
+    def fake_input(tensor: torch.Tensor) -> torch.Tensor:
+        made = fake(tensor)
+        batch_value(mode, made, tensor)
+        return made
+
+    fake_batch = tree_map(lambda x: fake_input(x) if isinstance(x, torch.Tensor) else x, batch)
     return state, fake_batch
 
 

@@ -1,0 +1,177 @@
+"""measure.known: a batch tensor whose elements are all one value (an attention mask of ones) is
+followed through the fake step's operators and read back where the real step reads it, and
+transformers' mask code takes the real step's branch on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+from autoshard.measure.cache import describe_batch
+from autoshard.measure.fake import fake_mode, fake_tensor
+from autoshard.measure.known import KNOWN_NUMEL, transformers_reads_known_values, uniform_value
+
+CPU = torch.device("cpu")
+
+
+def _fast_all(tensor: torch.Tensor) -> torch.Tensor:
+    """transformers' `masking_utils.fast_all`: is every element of a bool mask true."""
+    return tensor.sum() == tensor.numel()
+
+
+def test_a_batch_tensor_of_one_value_is_known_through_casts_slices_and_sums() -> None:
+    mode = fake_mode()
+    real = torch.ones(2, 8, dtype=torch.long)  # made outside the mode: the batch's values
+    with mode:
+        mask = fake_tensor(mode, real, CPU)
+        padding = mask.to(torch.bool)[:, 2:]
+        assert bool(_fast_all(padding))
+        assert int(mask.sum()) == 16
+        assert bool((mask == 1).all())
+        assert not bool(padding.logical_not().any())
+        assert bool(mask.unsqueeze(1).expand(2, 4, 8).reshape(-1).all())
+
+
+def test_a_batch_tensor_of_several_values_is_not_known() -> None:
+    padded = torch.ones(2, 8, dtype=torch.long)
+    padded[0, -2:] = 0
+    mode = fake_mode()
+    with mode:
+        mask = fake_tensor(mode, padded, CPU)
+        with pytest.raises(DataDependentOutputException):
+            bool(_fast_all(mask.to(torch.bool)))
+
+
+def test_a_value_written_over_in_place_or_through_a_view_is_forgotten() -> None:
+    mode = fake_mode()
+    real, another = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    with mode:
+        mask = fake_tensor(mode, real, CPU)
+        other = fake_tensor(mode, another, CPU)
+        mask[0].zero_()
+        with pytest.raises(DataDependentOutputException):
+            bool(mask.all())
+        assert bool(other.all())  # another tensor's value stays
+
+
+def test_a_write_into_a_tensor_without_a_storage_forgets_every_value() -> None:
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (4,))
+    real = torch.ones(2, 8, dtype=torch.long)
+    mode = fake_mode()
+    with mode:
+        fake_sparse = mode.from_tensor(sparse)
+        mask = fake_tensor(mode, real, CPU)
+        assert bool(mask.all())
+        fake_sparse.mul_(2)  # no storage to tell it from the mask's: nothing is kept
+        with pytest.raises(DataDependentOutputException):
+            bool(mask.all())
+
+
+def test_what_mixes_a_known_value_with_an_activation_or_draws_is_not_known() -> None:
+    mode = fake_mode()
+    real = torch.ones(2, 8)
+    with mode:
+        mask = fake_tensor(mode, real, CPU)
+        activation = torch.randn(2, 8)
+        with pytest.raises(DataDependentOutputException):
+            bool((mask * activation).all())
+        with pytest.raises(DataDependentOutputException):
+            bool((torch.rand_like(mask) < 2).all())  # a draw is never run for real
+
+
+def test_small_tensors_made_full_of_one_value_are_known_large_ones_are_not() -> None:
+    mode = fake_mode()
+    with mode:
+        activation = torch.randn(4, 3)
+        assert not bool(torch.zeros_like(activation).any())
+        assert int(torch.full((3,), 7).sum()) == 21
+        assert bool(torch.ones(3, dtype=torch.bool).all())
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.zeros(3, dtype=torch.complex64).abs().sum() == 0)  # complex: not kept
+        large = torch.ones(KNOWN_NUMEL + 1, dtype=torch.bool)
+        with pytest.raises(DataDependentOutputException):
+            bool(large.all())
+
+
+def test_uniform_value_of_real_tensors() -> None:
+    assert uniform_value(torch.ones(3, 4, dtype=torch.long)) == 1
+    assert uniform_value(torch.zeros(5, dtype=torch.bool)) is False
+    assert uniform_value(torch.tensor([1, 0])) is None
+    assert uniform_value(torch.ones(0)) is None
+    assert uniform_value(torch.ones(2, device="meta")) is None
+    assert uniform_value(torch.ones(KNOWN_NUMEL + 1, dtype=torch.bool)) is None
+
+
+def test_the_cache_tells_a_mask_of_ones_from_a_padded_one() -> None:
+    ids = torch.randint(0, 10, (2, 8))
+    padded = torch.ones_like(ids)
+    padded[0, -2:] = 0
+    ones = describe_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert ones == describe_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert ones != describe_batch({"input_ids": ids, "attention_mask": padded})
+
+
+def test_transformers_sees_a_fake_tensor_of_known_value_as_real_while_a_fake_mode_runs() -> None:
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    if not hasattr(import_utils, "is_fake_tensor"):
+        pytest.skip("this transformers does not take fake tensors for tracing")
+    original = import_utils.is_fake_tensor
+    ones, positions = torch.ones(2, 8, dtype=torch.long), torch.arange(16).reshape(2, 8)
+    mode = fake_mode()
+    with mode:
+        known = fake_tensor(mode, ones, CPU)
+        unknown = fake_tensor(mode, positions, CPU)
+        assert not import_utils.is_tracing(known)
+        assert import_utils.is_tracing(unknown)
+        with transformers_reads_known_values():  # nested: the outermost puts it back
+            assert not import_utils.is_tracing(known)
+        assert not import_utils.is_tracing(known)
+    assert import_utils.is_fake_tensor is original
+
+
+def _qwen2() -> torch.nn.Module:
+    """A grouped-query-attention decoder (8 heads, 1 key/value head)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+    )
+    config._attn_implementation = "sdpa"
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real step drops a mask of ones and attends with `is_causal` on the key/value heads as
+    they are; one with padding it builds, and repeats the keys and values for every head. The
+    simulation built the mask and repeated them for both: the mask of ones planned 264,192 B
+    above the same batch without it (7%), all of it the padded batch's extra."""
+    import autoshard
+
+    monkeypatch.setenv("AUTOSHARD_CACHE", "0")
+    ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[0, -16:] = 0
+    masks = {"none": None, "ones": torch.ones_like(ids), "padded": padded}
+    peaks = {}
+    for name, mask in masks.items():
+        batch = {"input_ids": ids, "labels": ids}
+        if mask is not None:
+            batch["attention_mask"] = mask
+        model = _qwen2()
+        optimizer = torch.optim.AdamW(model.parameters())
+        plan = autoshard.plan(
+            model, optimizer, batch, mixed_precision="no", activation_checkpointing=0
+        )
+        assert any("simulated" in reason for reason in plan.reasons)
+        peaks[name] = plan.chosen.estimated_peak_bytes
+    mask_bytes = ids.numel() * ids.element_size()
+    assert 0 <= peaks["ones"] - peaks["none"] <= mask_bytes
+    assert peaks["padded"] - peaks["ones"] > 64 * mask_bytes  # the mask built, heads repeated
