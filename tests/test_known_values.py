@@ -78,6 +78,8 @@ def test_what_mixes_a_known_value_with_an_activation_or_draws_is_not_known() -> 
             bool((mask * activation).all())
         with pytest.raises(DataDependentOutputException):
             bool((torch.rand_like(mask) < 2).all())  # a draw is never run for real
+        with pytest.raises(DataDependentOutputException):
+            bool((torch.empty_like(mask) == 0).all())  # nor what leaves memory as it was
 
 
 def test_small_tensors_made_full_of_one_value_are_known_large_ones_are_not() -> None:

@@ -20,7 +20,7 @@ So the simulation follows such values as the real step would compute them (`Know
   (`KNOWN_NUMEL`), is run for real on the CPU on those values, each argument an expanded scalar
   (no memory of its size): its output carries a value where its elements are all one value
   (a cast, a view, a slice, a comparison with a number, a sum, `all`). Operators that draw random
-  numbers are not run;
+  numbers, or leave their output's memory as they found it (`empty_like`), are not run;
 - an operator that writes into a tensor forgets every value held in that tensor's storage;
 - reading a value back (`bool(t)`, `t.item()`) from a tensor that carries one gives it, where
   fake tensors would raise.
@@ -159,7 +159,7 @@ class Known:
                 if value is None:
                     return  # an activation, a parameter: most operators stop here
                 values[id(tensor)] = value
-            if not values or torch.Tag.nondeterministic_seeded in func.tags:
+            if not values or _unknowable(func):
                 return
         outputs = _tensors(out)
         if not outputs or any(o.numel() > KNOWN_NUMEL for o in outputs):
@@ -189,6 +189,12 @@ class Known:
             if key in keys:
                 del self._values[tensor]
         self._storages -= keys
+
+
+def _unknowable(func: Any) -> bool:
+    """An operator whose output's values its inputs do not decide: a random draw, or memory
+    left as it was found (`empty_like`)."""
+    return torch.Tag.nondeterministic_seeded in func.tags or "empty" in func._opname
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
