@@ -68,6 +68,33 @@ def test_a_write_into_a_tensor_without_a_storage_forgets_every_value() -> None:
             bool(mask.all())
 
 
+def test_a_tensor_given_another_storage_or_reduced_across_ranks_is_forgotten() -> None:
+    from autoshard.measure.fake import fake_mesh
+
+    real, other = torch.ones(4, dtype=torch.long), torch.arange(4)
+    with fake_mesh(4, 0, "cpu"):
+        mode = fake_mode()
+        with mode:
+            mask = fake_tensor(mode, real, CPU)
+            mask.set_(fake_tensor(mode, other, CPU))  # no schema says set_ writes its values
+            with pytest.raises(DataDependentOutputException):
+                bool(mask.all())
+            count = fake_tensor(mode, real, CPU).sum()
+            torch.distributed.all_reduce(count)  # the other ranks' counts are in it: never run
+            with pytest.raises(DataDependentOutputException):
+                int(count)
+
+
+def test_values_are_held_as_their_dtype_holds_them() -> None:
+    mode = fake_mode()
+    with mode:
+        assert torch.full((1,), -1, dtype=torch.uint8).item() == 255
+        assert torch.full((1,), 70000.0, dtype=torch.float16).item() == float("inf")
+        assert torch.full((2,), 0.1, dtype=torch.bfloat16).sum().item() == pytest.approx(0.2, 1e-2)
+    signed = torch.tensor([-0.0, 0.0])
+    assert uniform_value(signed) is None  # equal, but 1 / x tells them apart
+
+
 def test_what_mixes_a_known_value_with_an_activation_or_draws_is_not_known() -> None:
     mode = fake_mode()
     real = torch.ones(2, 8)
@@ -103,6 +130,7 @@ def test_uniform_value_of_real_tensors() -> None:
     assert uniform_value(torch.ones(0)) is None
     assert uniform_value(torch.ones(2, device="meta")) is None
     assert uniform_value(torch.ones(KNOWN_NUMEL + 1, dtype=torch.bool)) is None
+    assert uniform_value(torch.zeros(3, dtype=torch.bits8)) is None  # no comparison for bits
 
 
 def test_the_cache_tells_a_mask_of_ones_from_a_padded_one() -> None:
@@ -119,17 +147,51 @@ def test_transformers_sees_a_fake_tensor_of_known_value_as_real_while_a_fake_mod
     if not hasattr(import_utils, "is_fake_tensor"):
         pytest.skip("this transformers does not take fake tensors for tracing")
     original = import_utils.is_fake_tensor
-    ones, positions = torch.ones(2, 8, dtype=torch.long), torch.arange(16).reshape(2, 8)
+    ones, padded = torch.ones(2, 8, dtype=torch.bool), torch.ones(2, 8, dtype=torch.bool)
+    padded[0, -2:] = False
+    ids = torch.zeros(2, 8, dtype=torch.long)  # token ids of one value: no mask
     mode = fake_mode()
     with mode:
         known = fake_tensor(mode, ones, CPU)
-        unknown = fake_tensor(mode, positions, CPU)
+        unknown = fake_tensor(mode, padded, CPU)
+        known_ids = fake_tensor(mode, ids, CPU)
         assert not import_utils.is_tracing(known)
         assert import_utils.is_tracing(unknown)
+        # transformers guards reading other tensors with it (`pad_token_id in input_ids[:, [-1,
+        # 0]]`): only masks are answered
+        assert import_utils.is_tracing(known_ids)
         with transformers_reads_known_values():  # nested: the outermost puts it back
             assert not import_utils.is_tracing(known)
         assert not import_utils.is_tracing(known)
     assert import_utils.is_fake_tensor is original
+
+
+def test_an_encoder_given_token_ids_of_one_value_and_no_mask_is_still_simulated() -> None:
+    """transformers warns where the last or first token is padding and no mask was given: it
+    reads `pad_token_id in input_ids[:, [-1, 0]]` unless `is_tracing(input_ids)`. Token ids of
+    one value (a smoke test's zeros) are known, the index is not: answering no there failed
+    the fake step."""
+    transformers = pytest.importorskip("transformers")
+    import autoshard
+
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        pad_token_id=0,
+    )
+    model = transformers.BertForMaskedLM(config)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    plan = autoshard.plan(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        {"input_ids": ids, "labels": ids},
+        mixed_precision="no",
+        activation_checkpointing=0,
+    )
+    assert any("simulated" in reason for reason in plan.reasons), plan.reasons
 
 
 def _qwen2() -> torch.nn.Module:
@@ -174,6 +236,9 @@ def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
         )
         assert any("simulated" in reason for reason in plan.reasons)
         peaks[name] = plan.chosen.estimated_peak_bytes
+        # a plan that took the mask-free branch on the batch's values says so
+        said = "transformers' mask code found the attention mask all true"
+        assert any(said in reason for reason in plan.reasons) == (name == "ones"), plan.reasons
     mask_bytes = ids.numel() * ids.element_size()
     assert 0 <= peaks["ones"] - peaks["none"] <= mask_bytes
     assert peaks["padded"] - peaks["ones"] > 64 * mask_bytes  # the mask built, heads repeated

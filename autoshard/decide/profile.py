@@ -101,6 +101,10 @@ class ActivationProfile:
         random_reads: where the step read back a uniform draw, or its comparison with a bound
             inside (0, 1), and what: "torch.rand() < 0.1" (`measure.answers.Draws`). It then
             branches at random, as layers skipped at random (LayerDrop) do.
+        batch_values_read: where the fake step branched on a value of the example batch that it
+            knew (`measure.known`: a tensor of one value), and what: transformers' mask code
+            reading an attention mask of all ones, a read-back. A batch whose values differ (a
+            padded mask) takes the other branch, which may hold more.
         flops_by_own_formula: operators whose forward FLOPs autoshard's own formula counted
             because torch's raised on them (grouped-query attention on torch 2.11).
         flops_uncounted: operators whose forward FLOPs no formula could count: counted as 0,
@@ -134,6 +138,7 @@ class ActivationProfile:
     answers: tuple[tuple[str, bool], ...] = ()
     nonzero_found: tuple[tuple[str, int, int], ...] = ()
     random_reads: tuple[tuple[str, str], ...] = ()
+    batch_values_read: tuple[tuple[str, str], ...] = ()
     flops_by_own_formula: tuple[str, ...] = ()
     flops_uncounted: tuple[str, ...] = ()
     unlike_blocks: str | None = None

@@ -200,6 +200,11 @@ def agreed(runs: Iterable[Mapping[str, bool]]) -> dict[str, bool]:
     }
 
 
+def _short_place(place: str) -> str:
+    """A place as its files' names and lines: "modeling.py:40 < modeling.py:12"."""
+    return " < ".join(os.path.basename(frame) for frame in place.split(" < "))
+
+
 def _line(place: str) -> str:
     """The innermost frame of a place: the line that asked."""
     return place.split(" < ", 1)[0]
@@ -350,6 +355,10 @@ def decided_draws() -> type:
                 answer = self.draws.answer(args[0])
                 if answer is None:
                     answer = self.known.read_back(args[0])
+                    if answer is not None and self.known.from_batch(args[0]):
+                        place = asked_at()
+                        read = f"{answer} read back at {_short_place(place)}"
+                        self.known.reads.setdefault(place, read)
                 if answer is not None:
                     return answer
             out = super().dispatch(func, types, args, kwargs)

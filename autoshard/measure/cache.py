@@ -643,6 +643,9 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
             for place, found, searched in value["nonzero_found"]
         ),
         random_reads=tuple((_str(place), _str(what)) for place, what in value["random_reads"]),
+        batch_values_read=tuple(
+            (_str(place), _str(what)) for place, what in value["batch_values_read"]
+        ),
         flops_by_own_formula=tuple(map(_str, value["flops_by_own_formula"])),
         flops_uncounted=tuple(map(_str, value["flops_uncounted"])),
         unlike_blocks=None if value["unlike_blocks"] is None else _str(value["unlike_blocks"]),

@@ -223,7 +223,21 @@ def _measure(
         f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
         f"saved for backward over the whole forward (the table's activ is what is still alive "
         f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}"
-        f"{_unlike_note(profile)}{where}",
+        f"{_unlike_note(profile)}{_values_note(profile)}{where}",
+    )
+
+
+def _values_note(profile: ActivationProfile) -> str:
+    """Where the step branched on the example batch's own values, to append to the trace's note."""
+    if not profile.batch_values_read:
+        return ""
+    whats = sorted({what for _, what in profile.batch_values_read})
+    return (
+        f"; planned for the example batch's own values, as the real step branches on them: "
+        f"{'; '.join(whats[:3])}{f' (and {len(whats) - 3} more)' if len(whats) > 3 else ''}; "
+        f"a batch whose values differ (an attention mask with padding) takes the other branch, "
+        f"which can hold more memory (a mask built, keys and values repeated for every head): "
+        f"if training batches differ so, give one of them as the example"
     )
 
 

@@ -495,7 +495,7 @@ def batch_value(mode: Any, fake: torch.Tensor, real: torch.Tensor) -> None:
     do (`known`: the real step's branches on it are taken in the simulation too)."""
     known = getattr(mode, "known", None)
     if known is not None:
-        known.note(fake, uniform_value(real))
+        known.note(fake, uniform_value(real), from_batch=True)
 
 
 def fake_optimizer(

@@ -25,10 +25,11 @@ So the simulation follows such values as the real step would compute them (`Know
 - reading a value back (`bool(t)`, `t.item()`) from a tensor that carries one gives it, where
   fake tensors would raise.
 
-And transformers is told that a fake tensor carrying a value is not one it must trace around
-(`transformers_reads_known_values`: its `is_fake_tensor` is wrapped while a fake mode of
-autoshard's runs, and put back when the last one exits), so its mask code takes the real step's
-branch: a mask of all ones is dropped, one with padding is built, as they are for real.
+And transformers is told that a fake boolean tensor carrying a value (a padding mask, as its mask
+code holds one) is not one it must trace around (`transformers_reads_known_values`: its
+`is_fake_tensor` is wrapped while a fake mode of autoshard's runs, and put back when the last one
+exits), so its mask code takes the real step's branch: a mask of all ones is dropped, one with
+padding is built, as they are for real.
 
 A tensor whose values differ (token ids, positions, a padded mask) carries none, and every
 question asked of it goes as before: transformers builds the mask, a read-back raises. So does a
@@ -47,10 +48,14 @@ import torch
 from autoshard._torch_compat import disable_current_modes, storage_key, writes_arguments
 
 aten = torch.ops.aten
-# The most elements an operator's output may have to be run for real on known values: a batch's
-# mask or ids (8 x 4096 tokens is 32,768), not a tensor of activations. Four million bool or int
-# elements take at most 32 MiB of host memory, once.
-KNOWN_NUMEL = 1 << 22
+# The most elements a tensor may have to carry a value, or an operator's inputs and output to be
+# run for real on known values: a batch's mask or ids (8 x 4096 tokens is 32,768; 8 x 128k is
+# this), not a tensor of activations. A million int64 elements take 8 MiB of host memory, once.
+KNOWN_NUMEL = 1 << 20
+# The operators run for real on known values: torch's own
+_RUN = frozenset({"aten", "prims"})
+# Operators that read a tensor's metadata only (`prim::device`, which `Tensor.to` asks)
+_METADATA = frozenset({"prim"})
 
 
 def _filled(value: Any) -> Any:
@@ -86,20 +91,26 @@ def uniform_value(tensor: Any) -> bool | int | float | None:
         or not 0 < tensor.numel() <= KNOWN_NUMEL
     ):
         return None
-    with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
-        flat = tensor.detach().reshape(-1)
-        first = flat[0]
-        if not bool((flat == first).all()):
-            return None
-        return first.item()
+    try:
+        with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
+            flat = tensor.detach().reshape(-1)
+            first = flat[0]
+            same = flat == first
+            if tensor.is_floating_point():  # 0.0 and -0.0 are equal, but 1 / x tells them
+                same &= flat.signbit() == first.signbit()
+            return first.item() if bool(same.all()) else None
+    except (RuntimeError, TypeError):  # a dtype without comparisons (bits, some float8)
+        return None
 
 
-def _cast(value: Any, dtype: torch.dtype) -> bool | int | float:
-    if dtype == torch.bool:
-        return bool(value)
-    if dtype.is_floating_point:
-        return float(value)
-    return int(value)
+def _held(value: Any, dtype: torch.dtype) -> bool | int | float | None:
+    """`value` as a tensor of `dtype` holds it (an int wrapped, a float rounded or made
+    infinite), or None where it cannot hold it (NaN as an integer)."""
+    try:
+        with disable_current_modes():
+            return torch.tensor(value).to(dtype).item()
+    except (RuntimeError, TypeError, ValueError, OverflowError):
+        return None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -120,24 +131,41 @@ class Known:
     """The values the fake tensors of one mode carry (the module's docstring)."""
 
     def __init__(self) -> None:
-        self._values = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor: (value, storage)
+        # fake tensor: (value, storage, whether the value comes from the example batch)
+        self._values = torch.utils.weak.WeakIdKeyDictionary()
         self._storages: set[int] = set()  # where values are held (some may be gone)
+        # where the step branched on a value of the example batch, and what it read there
+        # (`ActivationProfile.batch_values_read`)
+        self.reads: dict[str, str] = {}
 
-    def note(self, fake: Any, value: Any) -> None:
-        """`fake` carries `value` (None: nothing)."""
+    def note(self, fake: Any, value: Any, from_batch: bool = False) -> None:
+        """`fake` carries `value` (None: nothing); `from_batch`: a value of the example batch's,
+        or computed from one."""
         if value is None or not isinstance(fake, torch.Tensor) or fake.is_complex():
             return
         key = _storage(fake)
-        if key is not None:
-            self._values[fake] = (_cast(value, fake.dtype), key)
+        held = _held(value, fake.dtype)
+        if key is not None and held is not None:
+            self._values[fake] = (held, key, from_batch)
             self._storages.add(key)
 
+    def from_batch(self, tensor: Any) -> bool:
+        """Whether the value `tensor` carries comes from the example batch."""
+        held = self._values.get(tensor) if isinstance(tensor, torch.Tensor) else None
+        return held is not None and held[2]
+
     def value(self, tensor: Any) -> bool | int | float | None:
-        """The value `tensor` carries, or None."""
+        """The value `tensor` carries, or None; none where its storage is no longer the one it
+        had (`set_`, `.data =`, which no operator's schema says it writes)."""
         if not self._values or not isinstance(tensor, torch.Tensor):
             return None
         held = self._values.get(tensor)
-        return None if held is None else held[0]
+        if held is None:
+            return None
+        if _storage(tensor) != held[1]:
+            del self._values[tensor]
+            return None
+        return held[0]
 
     def read_back(self, tensor: Any) -> bool | int | float | None:
         """What a read-back of one-element `tensor` gives, where it carries a value."""
@@ -149,23 +177,30 @@ class Known:
         factory = _FACTORIES.get(func)
         if factory is None and not self._values:
             return  # nothing carries a value: every operator of most steps passes here
-        if writes_arguments(func):
+        namespace = getattr(func, "namespace", None)
+        if namespace in _METADATA:
+            return
+        if writes_arguments(func) or namespace not in _RUN:
+            # a write, or an operator of another library (a collective: its result is the other
+            # ranks' too, and its schema may not say it writes): what it touched is forgotten
             self._forget(_tensors((args, kwargs)))
             return
         if factory is None:
             values: dict[int, Any] = {}
+            batch = False
             for tensor in _tensors((args, kwargs)):
                 value = self.value(tensor)
-                if value is None:
+                if value is None or tensor.numel() > KNOWN_NUMEL:
                     return  # an activation, a parameter: most operators stop here
                 values[id(tensor)] = value
+                batch = batch or self.from_batch(tensor)
             if not values or _unknowable(func):
                 return
         outputs = _tensors(out)
         if not outputs or any(o.numel() > KNOWN_NUMEL for o in outputs):
             return
         if factory is not None:
-            with contextlib.suppress(IndexError, KeyError, TypeError):
+            with contextlib.suppress(IndexError, KeyError):
                 self.note(outputs[0], factory(args, kwargs))
             return
         try:
@@ -174,7 +209,7 @@ class Known:
             return
         for fake, real in zip(outputs, _tensors(ran), strict=False):
             if fake.shape == real.shape:
-                self.note(fake, uniform_value(real))
+                self.note(fake, uniform_value(real), batch)
 
     def _forget(self, written: list[torch.Tensor]) -> None:
         keys = {_storage(t) for t in written}
@@ -182,10 +217,12 @@ class Known:
             self._values = torch.utils.weak.WeakIdKeyDictionary()
             self._storages = set()
             return
+        for tensor in written:
+            self._values.pop(tensor, None)
         keys &= self._storages
         if not keys:
             return
-        for tensor, (_, key) in list(self._values.items()):
+        for tensor, (_, key, _) in list(self._values.items()):
             if key in keys:
                 del self._values[tensor]
         self._storages -= keys
@@ -226,9 +263,24 @@ def _run_on_values(
         return func(*real(args), **{k: real(v) for k, v in kwargs.items()})
 
 
-def _carries_value(tensor: Any) -> bool:
+def _mask_of_known_value(tensor: Any) -> bool:
+    """A fake boolean tensor that carries a value: a padding mask as transformers' mask code
+    holds it. Only masks: transformers also asks `is_tracing` of token ids and embeddings, to
+    guard reading other tensors the fake step does not know (`pad_token_id in input_ids[:, [-1,
+    0]]`), where answering no would make the step fail."""
     known = getattr(getattr(tensor, "fake_mode", None), "known", None)
-    return isinstance(known, Known) and known.value(tensor) is not None
+    if not (
+        isinstance(known, Known)
+        and getattr(tensor, "dtype", None) == torch.bool
+        and (value := known.value(tensor)) is not None
+    ):
+        return False
+    if known.from_batch(tensor):
+        from autoshard.measure.answers import asked_at  # answers holds the fake mode: no cycle
+
+        read = f"transformers' mask code found the attention mask all {str(bool(value)).lower()}"
+        known.reads.setdefault(asked_at(), read)
+    return True
 
 
 _depth = 0  # autoshard's fake modes entered and not yet exited
@@ -245,7 +297,7 @@ def transformers_reads_known_values() -> Iterator[None]:
         wrapped = original
 
         def is_fake_tensor(x: Any) -> bool:
-            return bool(wrapped(x)) and not _carries_value(x)
+            return bool(wrapped(x)) and not _mask_of_known_value(x)
 
         module.is_fake_tensor = is_fake_tensor  # type: ignore[union-attr]
     _depth += 1

@@ -230,6 +230,7 @@ def profile_step(
         answers=tuple(recorder.answers().items()),
         nonzero_found=recorder.found(),
         random_reads=tuple(mode.draws.random_reads.items()),
+        batch_values_read=tuple(mode.known.reads.items()) if not real else (),
         flops_by_own_formula=tuple(taken["formulas"][0]),
         flops_uncounted=tuple(taken["formulas"][1]),
         block_forward_traffic=tuple(traffic.block_bytes),
