@@ -16,12 +16,15 @@ So the simulation follows such values as the real step would compute them (`Know
   (`uniform_value`: an attention mask of ones, token type ids of zeros) carries that value;
 - so does a small tensor made full of one value (`torch.ones`, `zeros`, `full`, their `_like`
   and `new_` forms);
-- an operator whose every tensor argument carries a value, and whose output is not too large
-  (`KNOWN_NUMEL`), is run for real on the CPU on those values, each argument an expanded scalar
-  (no memory of its size): its output carries a value where its elements are all one value
-  (a cast, a view, a slice, a comparison with a number, a sum, `all`). Operators that draw random
-  numbers, or leave their output's memory as they found it (`empty_like`), are not run;
-- an operator that writes into a tensor forgets every value held in that tensor's storage;
+- an operator of torch's own (`aten`, `prims`) whose every tensor argument carries a value, and
+  whose arguments and output are not too large (`KNOWN_NUMEL`), is run for real on the CPU on
+  those values, each argument an expanded scalar (no memory of its size): its output carries a
+  value where its elements are all one value (a cast, a view, a slice, a comparison with a
+  number, a sum, `all`), held as its dtype holds it. Operators that draw random numbers, or
+  leave their output's memory as they found it (`empty_like`), are not run;
+- an operator that writes into a tensor forgets every value held in that tensor's storage, as
+  does any operator of another library (a collective: its result is the other ranks' too), and
+  a tensor given another storage (`set_`, `.data =`) carries no value any more;
 - reading a value back (`bool(t)`, `t.item()`) from a tensor that carries one gives it, where
   fake tensors would raise.
 
@@ -34,6 +37,10 @@ padding is built, as they are for real.
 A tensor whose values differ (token ids, positions, a padded mask) carries none, and every
 question asked of it goes as before: transformers builds the mask, a read-back raises. So does a
 batch on meta (a what-if plan has no values).
+
+The plan is then the example batch's: where the step branched on a value of the batch's, it is
+noted (`Known.reads`, `ActivationProfile.batch_values_read`) and the plan says so, since a
+training batch with padding takes the branch that holds more.
 """
 
 from __future__ import annotations
@@ -231,7 +238,7 @@ class Known:
 def _unknowable(func: Any) -> bool:
     """An operator whose output's values its inputs do not decide: a random draw, or memory
     left as it was found (`empty_like`)."""
-    return torch.Tag.nondeterministic_seeded in func.tags or "empty" in func._opname
+    return torch.Tag.nondeterministic_seeded in func.tags or "empty" in func.__name__.split(".")[0]
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
