@@ -10,9 +10,54 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard._torch_compat import tree_map
+from autoshard._torch_compat import disable_current_modes, tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+# The most elements of a batch tensor looked at for one value all its elements hold: a mask or
+# token ids (8 x 4096 tokens is 32,768; 8 x 128k is this), not an image batch
+ONE_VALUE_NUMEL = 1 << 20
+# The one value of the real tensor a meta tensor of the batch was moved from (`batch_for_meta`):
+# an attribute, so that it goes with the tensor where the tensor is pickled (a worker process)
+_ONE_VALUE = "autoshard_one_value"
+
+
+def uniform_value(tensor: Any) -> bool | int | float | None:
+    """The one value every element of a batch tensor holds, or None (elements differ; no
+    elements; too many to look at; not a plain tensor with values: fake, sparse, a subclass).
+    A tensor on meta has the value of the real one `batch_for_meta` moved it from, if any."""
+    if type(tensor) is not torch.Tensor:
+        return None
+    if tensor.device.type == "meta":
+        return getattr(tensor, _ONE_VALUE, None)
+    if (
+        tensor.layout != torch.strided
+        or tensor.is_complex()
+        or not 0 < tensor.numel() <= ONE_VALUE_NUMEL
+    ):
+        return None
+    try:
+        with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
+            flat = tensor.detach().reshape(-1)
+            first = flat[0]
+            same = flat == first
+            if tensor.is_floating_point():  # 0.0 and -0.0 are equal, but 1 / x tells them
+                same &= flat.signbit() == first.signbit()
+            return first.item() if bool(same.all()) else None
+    except (RuntimeError, TypeError):  # a dtype without comparisons (bits, some float8)
+        return None
+
+
+def _on_meta(tensor: torch.Tensor, value: Any) -> torch.Tensor:
+    """`tensor`, a new meta tensor of the batch's, given `value` as its one value (None: none)."""
+    if value is not None and tensor.device.type == "meta":
+        setattr(tensor, _ONE_VALUE, value)
+    return tensor
+
+
+def _cut_alike(tensor: torch.Tensor, made: torch.Tensor) -> torch.Tensor:
+    """`made`, rows cut or repeated from batch tensor `tensor`, with the one value of `tensor`
+    where it is a meta tensor that has one (a real tensor's values go with it)."""
+    return _on_meta(made, getattr(tensor, _ONE_VALUE, None))
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -138,7 +183,7 @@ def resized(batch: Any, rows: int, n: int) -> Any:
     times = -(-n // rows)
     return tree_map(
         lambda x: (
-            torch.cat([x] * times)[:n]
+            _cut_alike(x, torch.cat([x] * times)[:n])
             if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows
             else x
         ),
@@ -149,7 +194,11 @@ def resized(batch: Any, rows: int, n: int) -> Any:
 def first_rows(batch: Any, rows: int, n: int) -> Any:
     """`batch` with every tensor of `rows` leading rows cut to its first `n`."""
     return tree_map(
-        lambda x: x[:n] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows else x,
+        lambda x: (
+            _cut_alike(x, x[:n])
+            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == rows
+            else x
+        ),
         batch,
     )
 
@@ -181,9 +230,18 @@ def batch_for_meta(model: torch.nn.Module, batch: Any) -> tuple[Any, str | None]
     the batch as it is."""
     if batch is None or not on_meta(model):
         return batch, None
-    moved = batch_to(batch, torch.device("meta"))
+    meta = torch.device("meta")
+    moved = tree_map(
+        lambda x: (
+            _on_meta(x.to(meta), uniform_value(x))
+            if isinstance(x, torch.Tensor) and x.device != meta
+            else x
+        ),
+        batch,
+    )
     return moved, (
         "the model is on the meta device: the example batch's tensors were moved there too "
-        "(only their shapes and dtypes count); a tensor inside an object other than a list, "
+        "(their shapes and dtypes count, and the one value of a tensor whose elements are all "
+        "one, such as an attention mask of ones); a tensor inside an object other than a list, "
         "tuple or dict cannot be moved: build such a batch on meta yourself"
     )

@@ -194,7 +194,7 @@ def test_an_encoder_given_token_ids_of_one_value_and_no_mask_is_still_simulated(
     assert any("simulated" in reason for reason in plan.reasons), plan.reasons
 
 
-def _qwen2() -> torch.nn.Module:
+def _qwen2(device: str = "cpu") -> torch.nn.Module:
     """A grouped-query-attention decoder (8 heads, 1 key/value head)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -207,17 +207,22 @@ def _qwen2() -> torch.nn.Module:
         num_key_value_heads=1,
     )
     config._attn_implementation = "sdpa"
-    return transformers.Qwen2ForCausalLM(config)
+    with torch.device(device):
+        return transformers.Qwen2ForCausalLM(config)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"], ids=["built", "what-if on meta"])
 def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
     """The real step drops a mask of ones and attends with `is_causal` on the key/value heads as
     they are; one with padding it builds, and repeats the keys and values for every head. The
     simulation built the mask and repeated them for both: the mask of ones planned 264,192 B
-    above the same batch without it (7%), all of it the padded batch's extra."""
+    above the same batch without it (7%), all of it the padded batch's extra. A model on meta
+    has its batch moved there: the mask keeps its one value (`_batch.batch_for_meta`)."""
     import autoshard
+
+    where = {} if device == "cpu" else dict(world_size=1, device="cpu", device_memory="8GiB")
 
     monkeypatch.setenv("AUTOSHARD_CACHE", "0")
     ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(0))
@@ -229,10 +234,10 @@ def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
         batch = {"input_ids": ids, "labels": ids}
         if mask is not None:
             batch["attention_mask"] = mask
-        model = _qwen2()
+        model = _qwen2(device)
         optimizer = torch.optim.AdamW(model.parameters())
         plan = autoshard.plan(
-            model, optimizer, batch, mixed_precision="no", activation_checkpointing=0
+            model, optimizer, batch, mixed_precision="no", activation_checkpointing=0, **where
         )
         assert any("simulated" in reason for reason in plan.reasons)
         peaks[name] = plan.chosen.estimated_peak_bytes
@@ -242,3 +247,23 @@ def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
     mask_bytes = ids.numel() * ids.element_size()
     assert 0 <= peaks["ones"] - peaks["none"] <= mask_bytes
     assert peaks["padded"] - peaks["ones"] > 64 * mask_bytes  # the mask built, heads repeated
+
+
+def test_a_batch_moved_to_meta_keeps_its_one_values_cut_repeated_and_pickled() -> None:
+    import pickle
+
+    from autoshard._batch import batch_for_meta, first_rows, resized
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    ids = torch.arange(16).reshape(2, 8)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    moved, note = batch_for_meta(model, batch)
+    assert note is not None and "one value" in note
+    assert uniform_value(moved["attention_mask"]) == 1
+    assert uniform_value(moved["input_ids"]) is None
+    assert uniform_value(first_rows(moved, 2, 1)["attention_mask"]) == 1
+    assert uniform_value(resized(moved, 2, 5)["attention_mask"]) == 1
+    assert uniform_value(pickle.loads(pickle.dumps(moved))["attention_mask"]) == 1  # a worker's
+    assert uniform_value(batch["attention_mask"]) == 1  # the caller's batch is left as it was
+    assert not hasattr(batch["attention_mask"], "autoshard_one_value")

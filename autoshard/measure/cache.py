@@ -68,10 +68,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from autoshard._batch import uniform_value
 from autoshard._torch_compat import compiled_module
 from autoshard.decide.estimate import Phase, Simulated
 from autoshard.decide.profile import ActivationProfile, MovingCall, PricedCall
-from autoshard.measure.known import uniform_value
 
 logger = logging.getLogger("autoshard")
 

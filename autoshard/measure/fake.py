@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autoshard._batch import uniform_value
 from autoshard._torch_compat import (
     TorchDispatchMode,
     as_fake,
@@ -35,7 +36,6 @@ from autoshard._torch_compat import (
     tree_map,
 )
 from autoshard.measure.answers import READ_BACK, answering, decided_draws, finding
-from autoshard.measure.known import uniform_value
 
 
 def fake_mode() -> Any:
@@ -484,6 +484,7 @@ def fake_tensor(mode: Any, x: Any, device: torch.device) -> Any:
         return x
     if x.device.type == "meta":  # made as from_tensor would: its strides and its gradient kept
         made = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        batch_value(mode, made, x)  # a batch's tensor moved to meta keeps its one value
         return made.requires_grad_(x.requires_grad)
     made = mode.from_tensor(x)
     batch_value(mode, made, x)

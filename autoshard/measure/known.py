@@ -35,8 +35,9 @@ exits), so its mask code takes the real step's branch: a mask of all ones is dro
 padding is built, as they are for real.
 
 A tensor whose values differ (token ids, positions, a padded mask) carries none, and every
-question asked of it goes as before: transformers builds the mask, a read-back raises. So does a
-batch on meta (a what-if plan has no values).
+question asked of it goes as before: transformers builds the mask, a read-back raises. A batch
+moved to meta for a model on meta keeps the one value of each tensor that had one
+(`_batch.batch_for_meta`), so a what-if plan takes the same branch.
 
 The plan is then the example batch's: where the step branched on a value of the batch's, it is
 noted (`Known.reads`, `ActivationProfile.batch_values_read`) and the plan says so, since a
@@ -52,13 +53,16 @@ from typing import Any
 
 import torch
 
+from autoshard._batch import ONE_VALUE_NUMEL, uniform_value
 from autoshard._torch_compat import disable_current_modes, storage_key, writes_arguments
+
+__all__ = ["KNOWN_NUMEL", "Known", "transformers_reads_known_values", "uniform_value"]
 
 aten = torch.ops.aten
 # The most elements a tensor may have to carry a value, or an operator's inputs and output to be
-# run for real on known values: a batch's mask or ids (8 x 4096 tokens is 32,768; 8 x 128k is
-# this), not a tensor of activations. A million int64 elements take 8 MiB of host memory, once.
-KNOWN_NUMEL = 1 << 20
+# run for real on known values: a batch's mask or ids, not a tensor of activations. A million
+# int64 elements take 8 MiB of host memory, once.
+KNOWN_NUMEL = ONE_VALUE_NUMEL
 # The operators run for real on known values: torch's own
 _RUN = frozenset({"aten", "prims"})
 # Operators that read a tensor's metadata only (`prim::device`, which `Tensor.to` asks)
@@ -84,30 +88,6 @@ _FACTORIES: dict[Any, Any] = {
     aten.new_full.default: lambda args, kwargs: kwargs.get("fill_value", args[2]),
     aten.scalar_tensor.default: lambda args, kwargs: args[0],
 }
-
-
-def uniform_value(tensor: Any) -> bool | int | float | None:
-    """The one value every element of real tensor `tensor` holds, or None (elements differ; no
-    elements; too many to look at; not a plain tensor with values: meta, fake, sparse, a
-    subclass)."""
-    if (
-        type(tensor) is not torch.Tensor
-        or tensor.device.type == "meta"
-        or tensor.layout != torch.strided
-        or tensor.is_complex()
-        or not 0 < tensor.numel() <= KNOWN_NUMEL
-    ):
-        return None
-    try:
-        with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
-            flat = tensor.detach().reshape(-1)
-            first = flat[0]
-            same = flat == first
-            if tensor.is_floating_point():  # 0.0 and -0.0 are equal, but 1 / x tells them
-                same &= flat.signbit() == first.signbit()
-            return first.item() if bool(same.all()) else None
-    except (RuntimeError, TypeError):  # a dtype without comparisons (bits, some float8)
-        return None
 
 
 def _held(value: Any, dtype: torch.dtype) -> bool | int | float | None:
