@@ -47,7 +47,7 @@ def uniform_value(tensor: Any) -> bool | int | float | None:
         return None
 
 
-def _on_meta(tensor: torch.Tensor, value: Any) -> torch.Tensor:
+def _with_one_value(tensor: torch.Tensor, value: Any) -> torch.Tensor:
     """`tensor`, a new meta tensor of the batch's, given `value` as its one value (None: none)."""
     if value is not None and tensor.device.type == "meta":
         setattr(tensor, _ONE_VALUE, value)
@@ -57,7 +57,7 @@ def _on_meta(tensor: torch.Tensor, value: Any) -> torch.Tensor:
 def _cut_alike(tensor: torch.Tensor, made: torch.Tensor) -> torch.Tensor:
     """`made`, rows cut or repeated from batch tensor `tensor`, with the one value of `tensor`
     where it is a meta tensor that has one (a real tensor's values go with it)."""
-    return _on_meta(made, getattr(tensor, _ONE_VALUE, None))
+    return _with_one_value(made, getattr(tensor, _ONE_VALUE, None))
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -233,7 +233,7 @@ def batch_for_meta(model: torch.nn.Module, batch: Any) -> tuple[Any, str | None]
     meta = torch.device("meta")
     moved = tree_map(
         lambda x: (
-            _on_meta(x.to(meta), uniform_value(x))
+            _with_one_value(x.to(meta), uniform_value(x))
             if isinstance(x, torch.Tensor) and x.device != meta
             else x
         ),
