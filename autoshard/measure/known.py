@@ -69,8 +69,9 @@ _RUN = frozenset({"aten", "prims"})
 _METADATA = frozenset({"prim"})
 
 
-def _filled(value: Any) -> Any:
-    return lambda args, kwargs: kwargs.get("fill_value", args[1] if len(args) > 1 else value)
+def _fill_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`full`'s and `full_like`'s fill value: their second argument."""
+    return kwargs.get("fill_value", args[1] if len(args) > 1 else None)
 
 
 # Operators that make a tensor of one value whatever their tensor argument holds: the value from
@@ -79,10 +80,10 @@ def _filled(value: Any) -> Any:
 _FACTORIES: dict[Any, Any] = {
     aten.ones.default: lambda args, kwargs: 1,
     aten.zeros.default: lambda args, kwargs: 0,
-    aten.full.default: _filled(None),
+    aten.full.default: _fill_value,
     aten.ones_like.default: lambda args, kwargs: 1,
     aten.zeros_like.default: lambda args, kwargs: 0,
-    aten.full_like.default: _filled(None),
+    aten.full_like.default: _fill_value,
     aten.new_ones.default: lambda args, kwargs: 1,
     aten.new_zeros.default: lambda args, kwargs: 0,
     aten.new_full.default: lambda args, kwargs: kwargs.get("fill_value", args[2]),
