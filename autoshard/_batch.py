@@ -13,9 +13,9 @@ from torch import nn
 from autoshard._torch_compat import disable_current_modes, tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-# The most elements of a batch tensor looked at for one value all its elements hold: a mask or
-# token ids (8 x 4096 tokens is 32,768; 8 x 128k is this), not an image batch
-ONE_VALUE_NUMEL = 1 << 20
+# How many leading elements of a batch tensor are compared first, before all of them: token ids
+# and images differ there, so a tensor that is not one value is told from its first few
+_FIRST_LOOK = 1024
 # The one value of the real tensor a meta tensor of the batch was moved from (`batch_for_meta`):
 # an attribute, so that it goes with the tensor where the tensor is pickled (a worker process)
 _ONE_VALUE = "autoshard_one_value"
@@ -23,28 +23,32 @@ _ONE_VALUE = "autoshard_one_value"
 
 def uniform_value(tensor: Any) -> bool | int | float | None:
     """The one value every element of a batch tensor holds, or None (elements differ; no
-    elements; too many to look at; not a plain tensor with values: fake, sparse, a subclass).
-    A tensor on meta has the value of the real one `batch_for_meta` moved it from, if any."""
+    elements; not a plain tensor with values: fake, sparse, a subclass), at any size: the real
+    step drops a mask of ones of any length, and the largest-batch search plans batches far
+    larger than the example. A tensor on meta has the value of the real one `batch_for_meta`
+    moved it from, if any."""
     if type(tensor) is not torch.Tensor:
         return None
     if tensor.device.type == "meta":
         return getattr(tensor, _ONE_VALUE, None)
-    if (
-        tensor.layout != torch.strided
-        or tensor.is_complex()
-        or not 0 < tensor.numel() <= ONE_VALUE_NUMEL
-    ):
+    if tensor.layout != torch.strided or tensor.is_complex() or tensor.numel() == 0:
         return None
     try:
         with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
             flat = tensor.detach().reshape(-1)
             first = flat[0]
-            same = flat == first
-            if tensor.is_floating_point():  # 0.0 and -0.0 are equal, but 1 / x tells them
-                same &= flat.signbit() == first.signbit()
-            return first.item() if bool(same.all()) else None
+            if not (_all_equal(flat[:_FIRST_LOOK], first) and _all_equal(flat, first)):
+                return None
+            return first.item()
     except (RuntimeError, TypeError):  # a dtype without comparisons (bits, some float8)
         return None
+
+
+def _all_equal(values: torch.Tensor, first: torch.Tensor) -> bool:
+    same = values == first
+    if values.is_floating_point():  # 0.0 and -0.0 are equal, but 1 / x tells them
+        same &= values.signbit() == first.signbit()
+    return bool(same.all())
 
 
 def _with_one_value(tensor: torch.Tensor, value: Any) -> torch.Tensor:

@@ -132,6 +132,8 @@ SYMBOLS: dict[str, Symbol] = {
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
     ),
+    # Graceful where absent: a cast's output too large to make for real carries no value.
+    "_to_copy": Symbol("torch:ops.aten._to_copy", "a mask of ones of any length, cast"),
     # Graceful where absent: the modelled step counts its bytes and its launch (a view it is).
     "_unsafe_view": Symbol(
         "torch:ops.aten._unsafe_view", "the modelled step's traffic: a view not marked as one"

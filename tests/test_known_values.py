@@ -123,13 +123,47 @@ def test_small_tensors_made_full_of_one_value_are_known_large_ones_are_not() -> 
             bool(large.all())
 
 
+def test_a_mask_of_ones_longer_than_what_is_run_for_real_is_known_where_sizes_do_not_matter() -> (
+    None
+):
+    """Outputs above `KNOWN_NUMEL` are not made for real: a cast or an elementwise operator is
+    run on one element, a view carries its input's value. The real step drops a mask of ones at
+    any length; known only up to a million elements, the estimate jumped 8.9% at 8,193 x 128
+    tokens and the largest-batch search stopped there (8,192 rows, against 31,075 found now)."""
+    rows = KNOWN_NUMEL // 64 + 1
+    ones = torch.ones(rows, 64, dtype=torch.long)  # made outside the mode: the batch's values
+    padded = torch.ones(rows, 64, dtype=torch.long)
+    padded[-1, -1] = 0
+    mode = fake_mode()
+    with mode:
+        mask = fake_tensor(mode, ones, CPU)
+        padding = mask.to(torch.bool)  # a cast
+        assert bool(_fast_all(padding))  # a sum of the whole, a comparison
+        assert not bool(padding.logical_not().any())  # elementwise
+        expanded = padding[:, None, None, :].expand(rows, 2, 64, 64)  # views, 2**25 elements
+        assert bool(expanded[-1, -1, -1, -1])
+        assert int((mask * 3 - 1).amax()) == 2  # elementwise on a scalar
+        assert bool((mask.float() == mask).all())  # two known tensors, two dtypes
+        with pytest.raises(DataDependentOutputException):
+            bool(mask.view(torch.float64).sum() > 0)  # a view of its bits: not the same value
+        with pytest.raises(DataDependentOutputException):
+            int(mask.cumsum(-1).amax())  # its value depends on the sizes
+        unknown = fake_tensor(mode, padded, CPU)
+        with pytest.raises(DataDependentOutputException):
+            bool(_fast_all(unknown.to(torch.bool)))
+
+
 def test_uniform_value_of_real_tensors() -> None:
     assert uniform_value(torch.ones(3, 4, dtype=torch.long)) == 1
     assert uniform_value(torch.zeros(5, dtype=torch.bool)) is False
     assert uniform_value(torch.tensor([1, 0])) is None
     assert uniform_value(torch.ones(0)) is None
     assert uniform_value(torch.ones(2, device="meta")) is None
-    assert uniform_value(torch.ones(KNOWN_NUMEL + 1, dtype=torch.bool)) is None
+    assert uniform_value(torch.ones(KNOWN_NUMEL + 1, dtype=torch.bool)) is True  # any size
+    late = torch.ones(KNOWN_NUMEL + 1, dtype=torch.long)
+    late[-1] = 0  # past the first look
+    assert uniform_value(late) is None
+    assert uniform_value(torch.tensor([0.0, -0.0])) is None  # 1 / x tells them
     assert uniform_value(torch.zeros(3, dtype=torch.bits8)) is None  # no comparison for bits
 
 
@@ -247,6 +281,43 @@ def test_a_decoder_given_a_mask_of_ones_is_estimated_as_without_it(
     mask_bytes = ids.numel() * ids.element_size()
     assert 0 <= peaks["ones"] - peaks["none"] <= mask_bytes
     assert peaks["padded"] - peaks["ones"] > 64 * mask_bytes  # the mask built, heads repeated
+
+
+def test_a_what_if_plan_given_a_mask_of_ones_of_millions_of_tokens_drops_it_as_training_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above `KNOWN_NUMEL` tokens the mask of ones was planned as padded (the thirtieth
+    session's sweep: +8.9% at 8,193 x 128 tokens on a Qwen3-shaped model, and `max_batch`
+    stopped at 8,192 rows for it), though the real step drops it at any length: the mask costs
+    what its bytes cost, per byte the same at 8 rows and at a million tokens."""
+    import autoshard
+
+    monkeypatch.setenv("AUTOSHARD_CACHE", "0")
+    seq = 128
+    cost = {}
+    for rows in (8, KNOWN_NUMEL // seq + 1):
+        ids = torch.randint(0, 128, (rows, seq))
+        peaks = {}
+        for name in ("none", "ones"):
+            batch = {"input_ids": ids, "labels": ids}
+            if name == "ones":
+                batch["attention_mask"] = torch.ones_like(ids)
+            model = _qwen2("meta")
+            plan = autoshard.plan(
+                model,
+                torch.optim.AdamW(model.parameters()),
+                batch,
+                world_size=1,
+                device="cuda",  # not "cpu", which times kernels' scratch on real tensors
+                device_memory="64GiB",
+                mixed_precision="no",
+                activation_checkpointing=0,
+            )
+            peaks[name] = plan.chosen.estimated_peak_bytes
+        cost[rows] = (peaks["ones"] - peaks["none"]) / (ids.numel() * ids.element_size())
+    small, large = cost.values()
+    assert small > 0
+    assert large == pytest.approx(small, rel=0.01), cost
 
 
 def test_a_batch_moved_to_meta_keeps_its_one_values_cut_repeated_and_pickled() -> None:

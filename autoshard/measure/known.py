@@ -16,12 +16,16 @@ So the simulation follows such values as the real step would compute them (`Know
   (`uniform_value`: an attention mask of ones, token type ids of zeros) carries that value;
 - so does a small tensor made full of one value (`torch.ones`, `zeros`, `full`, their `_like`
   and `new_` forms);
-- an operator of torch's own (`aten`, `prims`) whose every tensor argument carries a value, and
-  whose arguments and output are not too large (`KNOWN_NUMEL`), is run for real on the CPU on
-  those values, each argument an expanded scalar (no memory of its size): its output carries a
-  value where its elements are all one value (a cast, a view, a slice, a comparison with a
-  number, a sum, `all`), held as its dtype holds it. Operators that draw random numbers, or
-  leave their output's memory as they found it (`empty_like`), are not run;
+- an operator of torch's own (`aten`, `prims`) whose every tensor argument carries a value is
+  run for real on the CPU on those values, each argument an expanded scalar (no memory of its
+  size), where its output is not too large (`KNOWN_NUMEL`): its output carries a value where its
+  elements are all one value (a cast, a view, a slice, a comparison with a number, a sum, `all`),
+  held as its dtype holds it. A larger output is known where its value does not depend on the
+  sizes: an elementwise operator or a cast is run on one element of each argument, and a view
+  carries its input's value. So a mask of ones is known at any length, as the real step finds it
+  at any length (the largest-batch search plans batches of millions of tokens). Operators that
+  draw random numbers, or leave their output's memory as they found it (`empty_like`), are not
+  run;
 - an operator that writes into a tensor forgets every value held in that tensor's storage, as
   does any operator of another library (a collective: its result is the other ranks' too), and
   a tensor given another storage (`set_`, `.data =`) carries no value any more;
@@ -53,20 +57,30 @@ from typing import Any
 
 import torch
 
-from autoshard._batch import ONE_VALUE_NUMEL, uniform_value
-from autoshard._torch_compat import disable_current_modes, storage_key, writes_arguments
+from autoshard._batch import uniform_value
+from autoshard._torch_compat import (
+    disable_current_modes,
+    op_overload,
+    storage_key,
+    writes_arguments,
+)
 
 __all__ = ["KNOWN_NUMEL", "Known", "transformers_reads_known_values", "uniform_value"]
 
 aten = torch.ops.aten
-# The most elements a tensor may have to carry a value, or an operator's inputs and output to be
-# run for real on known values: a batch's mask or ids, not a tensor of activations. A million
-# int64 elements take 8 MiB of host memory, once.
-KNOWN_NUMEL = ONE_VALUE_NUMEL
+# The most elements of a tensor made full of one value for it to carry that value, and of an
+# operator's output for the operator to be run for real on known values (its arguments are
+# expanded scalars, which take no memory): a batch's mask or ids, not a tensor of activations. A
+# million int64 elements take 8 MiB of host memory, once. A larger output of an operator whose
+# value does not depend on the sizes is known all the same (`_ANY_SIZE`, `_one_element`).
+KNOWN_NUMEL = 1 << 20
 # The operators run for real on known values: torch's own
 _RUN = frozenset({"aten", "prims"})
 # Operators that read a tensor's metadata only (`prim::device`, which `Tensor.to` asks)
 _METADATA = frozenset({"prim"})
+# Operators whose output's value does not depend on its sizes, besides the elementwise ones
+# (`torch.Tag.pointwise`): casts (`Tensor.to`, `.bool()`) and a copy into another tensor's dtype
+_ANY_SIZE = frozenset(op for op in (op_overload("_to_copy"), aten.copy.default) if op is not None)
 
 
 def _fill_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -178,18 +192,23 @@ class Known:
             batch = False
             for tensor in _tensors((args, kwargs)):
                 value = self.value(tensor)
-                if value is None or tensor.numel() > KNOWN_NUMEL:
+                if value is None:
                     return  # an activation, a parameter: most operators stop here
                 values[id(tensor)] = value
                 batch = batch or self.from_batch(tensor)
             if not values or _unknowable(func):
                 return
         outputs = _tensors(out)
-        if not outputs or any(o.numel() > KNOWN_NUMEL for o in outputs):
+        if not outputs:
             return
+        small = all(o.numel() <= KNOWN_NUMEL for o in outputs)
         if factory is not None:
-            with contextlib.suppress(IndexError, KeyError):
-                self.note(outputs[0], factory(args, kwargs))
+            if small:
+                with contextlib.suppress(IndexError, KeyError):
+                    self.note(outputs[0], factory(args, kwargs))
+            return
+        if not small:
+            self._follow_large(func, args, kwargs, outputs, values, batch)
             return
         try:
             ran = _run_on_values(func, args, kwargs, values)
@@ -198,6 +217,33 @@ class Known:
         for fake, real in zip(outputs, _tensors(ran), strict=False):
             if fake.shape == real.shape:
                 self.note(fake, uniform_value(real), batch)
+
+    def _follow_large(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: list[torch.Tensor],
+        values: dict[int, Any],
+        batch: bool,
+    ) -> None:
+        """`follow` for an output too large to make for real: its value where the sizes do not
+        decide it (a view of one value holds that value; an elementwise operator or a cast
+        gives, at any size, what it gives on one element)."""
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func.is_view and source is not None:
+            for fake in outputs:
+                if fake.dtype == source.dtype:  # not a view as another dtype (its bits)
+                    self.note(fake, values[id(source)], batch)
+            return
+        if not (torch.Tag.pointwise in func.tags or func in _ANY_SIZE) or len(outputs) != 1:
+            return
+        try:
+            ran = _tensors(_run_on_values(func, args, kwargs, values, one_element=True))
+        except Exception:  # an operator the values cannot run: nothing known
+            return
+        if len(ran) == 1 and ran[0].numel() == 1 and ran[0].dtype == outputs[0].dtype:
+            self.note(outputs[0], uniform_value(ran[0]), batch)
 
     def _forget(self, written: list[torch.Tensor]) -> None:
         keys = {_storage(t) for t in written}
@@ -233,13 +279,22 @@ def _storage(tensor: torch.Tensor) -> int | None:
 
 
 def _run_on_values(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[int, Any]
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    values: dict[int, Any],
+    *,
+    one_element: bool = False,
 ) -> Any:
-    """`func` run for real on the CPU, each tensor argument an expanded scalar of its value."""
+    """`func` run for real on the CPU, each tensor argument an expanded scalar of its value; with
+    `one_element`, each a tensor of one element with as many dimensions (so that dtypes promote
+    as they do at full size)."""
 
     def real(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
             scalar = torch.tensor(values[id(item)], dtype=item.dtype)
+            if one_element:
+                return scalar.reshape((1,) * item.dim())
             return scalar.expand(item.shape)
         if isinstance(item, torch.device):
             return torch.device("cpu")
