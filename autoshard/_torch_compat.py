@@ -632,6 +632,24 @@ def writes_arguments(func: Any) -> bool:
     return schema is None or bool(schema.is_mutable)
 
 
+def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The arguments operator overload `func` writes into (in place, `out=`), as its schema
+    says: `index_put_` writes its first, not its indices; None for one without a schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        if position < len(args) and not argument.kwarg_only:
+            written.append(args[position])
+        elif argument.name in kwargs:
+            written.append(kwargs[argument.name])
+    return written
+
+
 def op_overload(name: str) -> Any:
     """The default overload of operator `SYMBOLS[name]`, or None on a torch without it."""
     try:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from autoshard.measure.cache import describe_batch
-from autoshard.measure.fake import fake_mode, fake_tensor
+from autoshard.measure.fake import fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.known import KNOWN_NUMEL, transformers_reads_known_values, uniform_value
 
 CPU = torch.device("cpu")
@@ -151,6 +152,75 @@ def test_a_mask_of_ones_longer_than_what_is_run_for_real_is_known_where_sizes_do
         unknown = fake_tensor(mode, padded, CPU)
         with pytest.raises(DataDependentOutputException):
             bool(_fast_all(unknown.to(torch.bool)))
+
+
+def test_a_mask_of_one_value_selects_all_or_nothing_forward_and_backward_with_no_real_step() -> (
+    None
+):
+    """`nonzero` of a mask that carries a value, which indexing with a boolean mask calls: every
+    element or none, wherever it is asked (the backward's `index_put` too). Writing through the
+    mask (`new[mask] = x`) forgets the written tensor's values, not the mask's: it forgot both,
+    and the backward's indexing then raised."""
+    mode = fake_mode()
+    with wider_fake_kernels("cpu"), mode:
+        hidden = torch.randn(2, 5, 3, requires_grad=True)
+        lang_ids = 0 * torch.ones(2)  # as X-MOD makes its default language's ids
+        chosen, other = lang_ids == 0, lang_ids == 1
+        assert hidden[chosen].shape == (2, 5, 3) and hidden[other].shape == (0, 5, 3)
+        assert hidden.masked_select(chosen[:, None, None]).shape == (30,)
+        assert torch.nonzero(other).shape == (0, 1)
+        new = torch.zeros_like(hidden)
+        new[chosen] = hidden[chosen] * 2
+        new.sum().backward()
+        assert hidden.grad is not None and hidden.grad.shape == hidden.shape
+        with pytest.raises(DynamicOutputShapeException):
+            torch.nonzero(torch.randn(4) > 0)  # values unknown: torch's own, which raises
+
+
+class _Adapters(nn.Module):
+    """Language adapters as X-MOD routes them: ids of the default language made by
+    `torch.ones`, each adapter's rows picked and written back with a boolean mask."""
+
+    def __init__(self, width: int = 32, languages: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, width)
+        self.adapters = nn.ModuleList(nn.Linear(width, width) for _ in range(languages))
+        self.head = nn.Linear(width, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        lang_ids = 0 * torch.ones(ids.shape[0], device=ids.device)
+        routed = torch.zeros_like(hidden)
+        for index, adapter in enumerate(self.adapters):
+            mask = lang_ids == index
+            routed[mask] = adapter(hidden[mask])
+        return self.head(hidden + routed).logsumexp(-1).mean()
+
+
+def test_a_model_routing_by_a_language_id_it_makes_is_simulated_built_or_on_meta() -> None:
+    """The thirtieth session's sweep: X-MOD was never simulated (+3.0%, by formula), and built
+    on meta it could not be planned at all."""
+    import autoshard
+
+    ids = torch.randint(0, 64, (4, 16))
+    estimates = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = _Adapters()
+        where = {} if device == "cpu" else dict(world_size=1, device="cpu", device_memory="8GiB")
+        plan = autoshard.plan(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            ids,
+            loss_fn=lambda out, _: out,
+            mixed_precision="no",
+            activation_checkpointing=0,
+            **where,
+        )
+        said = " ".join(plan.reasons)
+        assert "not simulated" not in said and "could not be traced" not in said, plan.reasons
+        estimates.append(plan.chosen.estimated_peak_bytes)
+    assert estimates[0] == estimates[1]
 
 
 def test_uniform_value_of_real_tensors() -> None:

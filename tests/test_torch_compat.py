@@ -21,6 +21,7 @@ from torch import nn
 
 from autoshard import _torch_compat as compat
 from autoshard.measure import fake, workspace
+from autoshard.measure.answers import finding
 from autoshard.measure.quiet import own_runs_quiet
 from autoshard.strategies.engines import checkpoint_block
 
@@ -101,8 +102,9 @@ def test_graceful_without_onednn_and_without_grouped_mm(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch, "ops", types.SimpleNamespace(aten=object(), mkldnn=object()))
     assert compat.cpu_has_native_bf16() is False
     assert compat.grouped_mm() is None
-    with fake.wider_fake_kernels("cpu"):  # nothing to widen
-        assert compat.resolve("op_implementations_checks") == checks
+    with fake.wider_fake_kernels("cpu"):  # nothing to widen but what masks of one value find
+        widened = compat.resolve("op_implementations_checks")
+        assert len(widened) == len(checks) + len(finding(())) and widened[-len(checks) :] == checks
 
 
 def test_flop_formulas_a_raw_one_gets_the_operators_tensors(
@@ -225,8 +227,9 @@ class _FailingMode:
 def test_fake_kernel_removed_when_the_enclosing_mode_fails_or_the_body_raises() -> None:
     checks = compat.resolve("op_implementations_checks")
     before = list(checks)
-    with fake.wider_fake_kernels("cpu"):  # _grouped_mm's and oneDNN's LSTM layer's
-        assert len(checks) == len(before) + 1 + (fake.mkldnn_rnn() is not None)
+    with fake.wider_fake_kernels("cpu"):  # _grouped_mm's, oneDNN's LSTM layer's, nonzero's...
+        widened = 1 + (fake.mkldnn_rnn() is not None) + len(finding(()))
+        assert len(checks) == len(before) + widened
     assert checks == before
     with pytest.raises(_Refused), fake.wider_fake_kernels("cpu"), _FailingMode():
         pass

@@ -162,24 +162,33 @@ def _broadcast_numel(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def finding(found: Iterable[tuple[str, int, int]]) -> dict[Any, Callable[..., Any]]:
     """Fake kernels (`_torch_compat.fake_kernel`) for `nonzero` (which the fake kernel of
-    indexing with a mask calls) and `masked_select`: at a place where the real steps found
-    elements, an output of the share of its input's elements they found there (rounded);
-    elsewhere torch's own (which raises). A place not met is looked up by its line alone, as
-    `answering` does."""
+    indexing with a mask calls) and `masked_select`. A mask that carries one value
+    (`known.Known`: a mask of ones compared with a number, a language id made by `torch.ones`)
+    finds all of its elements or none, wherever it is asked, the backward's indexing included.
+    Otherwise, at a place where the real steps found elements, an output of the share of its
+    input's elements they found there (rounded); elsewhere torch's own (which raises). A place
+    not met is looked up by its line alone, as `answering` does."""
     found = tuple(found)
     shares = {place: n / searched for place, n, searched in found if searched}
     by_line = found_together(((_line(place), n, searched),) for place, n, searched in found)
     lines = {line: n / searched for line, n, searched in by_line if searched}
 
+    def share_of(fake_mode: Any, mask: Any) -> float | None:
+        known = getattr(fake_mode, "known", None)
+        value = known.value(mask) if isinstance(known, Known) else None
+        if value is not None:
+            return 1.0 if value else 0.0  # nonzero counts NaN, as `bool` does
+        return _looked_up(shares, lines) if shares else None
+
     def nonzero(fake_mode: Any, func: Any, tensor: Any) -> Any:
-        share = _looked_up(shares, lines)
+        share = share_of(fake_mode, tensor)
         if share is None:
             return NotImplemented
         rows = round(share * tensor.numel())
         return fake_empty(fake_mode, (rows, tensor.dim()), torch.long, tensor.fake_device)
 
     def masked_select(fake_mode: Any, func: Any, tensor: Any, mask: Any) -> Any:
-        share = _looked_up(shares, lines)
+        share = share_of(fake_mode, mask)
         if share is None:
             return NotImplemented
         rows = round(share * _broadcast_numel(tensor, mask))

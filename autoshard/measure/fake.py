@@ -144,7 +144,7 @@ def wider_fake_kernels(
             stack.enter_context(fake_kernel(op, _grouped_mm_any_dtype))
         if answers and READ_BACK is not None:
             stack.enter_context(fake_kernel(READ_BACK, answering(answers)))
-        for op, kernel in finding(found).items() if found else ():
+        for op, kernel in finding(found).items():  # a mask of one value: found without a real step
             stack.enter_context(fake_kernel(op, kernel))
         yield
 

@@ -63,6 +63,7 @@ from autoshard._torch_compat import (
     op_overload,
     storage_key,
     writes_arguments,
+    written_arguments,
 )
 
 __all__ = ["KNOWN_NUMEL", "Known", "transformers_reads_known_values", "uniform_value"]
@@ -182,10 +183,15 @@ class Known:
         namespace = getattr(func, "namespace", None)
         if namespace in _METADATA:
             return
-        if writes_arguments(func) or namespace not in _RUN:
-            # a write, or an operator of another library (a collective: its result is the other
-            # ranks' too, and its schema may not say it writes): what it touched is forgotten
+        if namespace not in _RUN:
+            # an operator of another library (a collective: its result is the other ranks' too,
+            # and its schema may not say it writes): what it touched is forgotten
             self._forget(_tensors((args, kwargs)))
+            return
+        if writes_arguments(func):
+            # what it writes into is forgotten (not the mask `index_put_` writes through)
+            written = written_arguments(func, args, kwargs)
+            self._forget(_tensors((args, kwargs) if written is None else written))
             return
         if factory is None:
             values: dict[int, Any] = {}
