@@ -73,7 +73,7 @@ aten = torch.ops.aten
 # operator's output for the operator to be run for real on known values (its arguments are
 # expanded scalars, which take no memory): a batch's mask or ids, not a tensor of activations. A
 # million int64 elements take 8 MiB of host memory, once. A larger output of an operator whose
-# value does not depend on the sizes is known all the same (`_ANY_SIZE`, `_one_element`).
+# value does not depend on the sizes is known all the same (`Known._follow_large`).
 KNOWN_NUMEL = 1 << 20
 # The operators run for real on known values: torch's own
 _RUN = frozenset({"aten", "prims"})
