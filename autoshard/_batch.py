@@ -13,8 +13,8 @@ from torch import nn
 from autoshard._torch_compat import disable_current_modes, tree_map
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-# How many leading elements of a batch tensor are compared first, before all of them: token ids
-# and images differ there, so a tensor that is not one value is told from its first few
+# How many elements of a batch tensor's first row are compared first, before all of them: token
+# ids and images differ there, so a tensor that is not one value is told from its first few
 _FIRST_LOOK = 1024
 # The one value of the real tensor a meta tensor of the batch was moved from (`batch_for_meta`):
 # an attribute, so that it goes with the tensor where the tensor is pickled (a worker process)
@@ -35,9 +35,10 @@ def uniform_value(tensor: Any) -> bool | int | float | None:
         return None
     try:
         with disable_current_modes(), torch.no_grad():  # the real values, inside a fake mode too
-            flat = tensor.detach().reshape(-1)
-            first = flat[0]
-            if not (_all_equal(flat[:_FIRST_LOOK], first) and _all_equal(flat, first)):
+            values = tensor.detach()  # as laid out: no copy of a large non-contiguous batch
+            first = values[(0,) * values.dim()]
+            leading = values[(0,) * (values.dim() - 1)][:_FIRST_LOOK] if values.dim() else values
+            if not (_all_equal(leading, first) and _all_equal(values, first)):
                 return None
             return first.item()
     except (RuntimeError, TypeError):  # a dtype without comparisons (bits, some float8)
