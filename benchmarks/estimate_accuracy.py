@@ -1,8 +1,9 @@
 """Estimate accuracy: autoshard's predicted per-rank peak against the peak the allocator measured.
 
 For each zoo model (`--zoo own`: benchmarks/zoo.py; `--zoo external`: benchmarks/zoo_external.py,
-models nobody here wrote) x strategy ("ddp", "shard_grad_op", "full_shard"; at world size 1 they
-still wrap, torchrun having made a process group) x mixed precision x activation checkpointing
+models nobody here wrote; `--zoo FILE.py`: a zoo of your own, laid out as zoo_external.py is) x
+strategy ("ddp", "shard_grad_op", "full_shard"; at world size 1 they still wrap, torchrun having
+made a process group) x mixed precision x activation checkpointing
 (off, or on every block): the prediction is `estimated_peak_bytes` of an `autoshard.plan(...)`
 made first, outside any profiler (a running profiler changes what the estimator can measure:
 DESIGN.md section 3), with the chosen candidate's terms. Then, inside the profile, the model is
@@ -34,6 +35,7 @@ stays, its row is marked an upper bound.
     torchrun --standalone --nproc-per-node 2 benchmarks/estimate_accuracy.py --json out.json
     python benchmarks/estimate_accuracy.py --world-sizes 1,2 --json out.json  # both, merged
     torchrun --standalone --nproc-per-node 2 benchmarks/estimate_accuracy.py --zoo external
+    torchrun --standalone --nproc-per-node 1 benchmarks/estimate_accuracy.py --zoo my_zoo.py
 
 Output (rank 0): a markdown table, the summary against the targets (median |error| <= 3%, worst
 <= 8%, no underestimate worse than -3%) with each model's worst signed error, and with
@@ -46,6 +48,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import itertools
 import json
 import os
@@ -188,8 +191,7 @@ def build(
 ) -> zoo.ZooModel:
     """Zoo model `name` from the zoo `--zoo` names, as this rank feeds it, its optimizer running
     `implementation` (`OPTIMIZER_IMPLEMENTATIONS`)."""
-    registry = zoo_external if args.zoo == "external" else zoo
-    built = registry.build(
+    built = registry(args.zoo).build(
         name, args.batch_size, rank=dist.get_rank(), seed=args.seed, device=device
     )
     return built._replace(optimizer=with_implementation(built.optimizer, implementation))
@@ -203,6 +205,32 @@ OPTIMIZER_IMPLEMENTATIONS = {
     "foreach": {"foreach": True, "fused": None},
     "fused": {"foreach": None, "fused": True},
 }
+
+
+def registry(name: str) -> Any:
+    """The zoo `--zoo` names: the project's own, the external one, or a file of the user's
+    that defines, as zoo_external.py does, `ENTRIES` (the models by name) and
+    `build(name, per_rank_batch, *, rank, seed, device)` returning a `zoo.ZooModel`."""
+    if name == "own":
+        return zoo
+    if name == "external":
+        return zoo_external
+    path = Path(name).resolve()
+    module = sys.modules.get(_ZOO_FILE + str(path))
+    if module is None:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--zoo {name}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for needed in ("ENTRIES", "build"):
+            if not hasattr(module, needed):
+                raise ValueError(f"--zoo {name}: defines no {needed} (see zoo_external.py)")
+        sys.modules[_ZOO_FILE + str(path)] = module  # loaded once per process
+    return module
+
+
+_ZOO_FILE = "estimate_accuracy.zoo_file:"
 
 
 def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> Any:
@@ -540,9 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--zoo",
-        choices=("own", "external"),
         default="own",
-        help="the project's zoo (benchmarks/zoo.py) or the external one (zoo_external.py)",
+        help="own (benchmarks/zoo.py), external (zoo_external.py), or a Python file defining "
+        "ENTRIES and build() as zoo_external.py does",
     )
     p.add_argument("--models", default=None, help="comma-separated (default: the zoo's set)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -604,9 +632,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error("--warmup must be >= 0 and --steps >= 1")
-    known = zoo_external.ENTRIES if args.zoo == "external" else zoo.BUILDERS
+    if args.zoo not in ("own", "external") and not (
+        args.zoo.endswith(".py") and Path(args.zoo).is_file()
+    ):
+        p.error(f"--zoo takes own, external or an existing .py file, not {args.zoo!r}")
+    try:
+        zoo_module = registry(args.zoo)
+    except ValueError as error:
+        p.error(str(error))
+    known = zoo.BUILDERS if args.zoo == "own" else zoo_module.ENTRIES
     if args.models is None:
-        args.models = ",".join(known) if args.zoo == "external" else "gpt,mlp,vit,llama,resnet"
+        args.models = "gpt,mlp,vit,llama,resnet" if args.zoo == "own" else ",".join(known)
     for model in args.models.split(","):
         if model not in known:
             p.error(f"unknown {args.zoo} zoo model {model!r}; choose from {', '.join(known)}")

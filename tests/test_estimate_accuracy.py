@@ -10,6 +10,7 @@ import gc
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 from _dist import REPO, SLOW_MACHINE, plans_kept, run_torchrun
@@ -112,6 +113,42 @@ def test_allocator_peak_matches_memtracker_on_a_plain_module() -> None:
     assert tracked > 0
     assert live.peak == tracked
     assert live.missed_frees == (0, 0)  # one thread: every free is reported
+
+
+def test_a_zoo_file_of_the_users_own_is_run_as_the_external_zoo_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--zoo FILE.py`: any file defining ENTRIES and build() as zoo_external.py does."""
+    import estimate_accuracy
+
+    good = tmp_path / "my_zoo.py"
+    good.write_text(
+        "import torch\n"
+        "import zoo\n"
+        "ENTRIES = {'tiny': None, 'other': None}\n"
+        "def build(name, per_rank_batch=None, *, rank=0, seed=0, device='cpu'):\n"
+        "    model = torch.nn.Linear(4, 2)\n"
+        "    batch = (torch.randn(per_rank_batch or 3, 4),)\n"
+        "    return zoo.ZooModel(model, torch.optim.AdamW(model.parameters()), batch,\n"
+        "                        lambda out, b: out.sum())\n"
+    )
+    args = estimate_accuracy.parse_args(["--zoo", str(good)])
+    assert args.models == "tiny,other"  # every entry unless --models names some
+    assert estimate_accuracy.registry(str(good)) is estimate_accuracy.registry(str(good))
+    built = estimate_accuracy.registry(str(good)).build("tiny", 5, rank=0, seed=0, device="cpu")
+    assert built.batch[0].shape == (5, 4)
+
+    no_build = tmp_path / "no_build.py"
+    no_build.write_text("ENTRIES = {'tiny': None}\n")
+    for argv, said in (
+        (["--zoo", str(no_build)], "defines no build"),
+        (["--zoo", str(tmp_path / "absent.py")], "an existing .py file"),
+        (["--zoo", "internal"], "an existing .py file"),
+        (["--zoo", str(good), "--models", "tiny,huge"], "unknown"),
+    ):
+        with pytest.raises(SystemExit):
+            estimate_accuracy.parse_args(argv)
+        assert said in capsys.readouterr().err, argv
 
 
 # ---------------------------------------------------------------------------------------------
