@@ -124,6 +124,9 @@ SYMBOLS: dict[str, Symbol] = {
     "_linalg_eigh": Symbol("torch:ops.aten._linalg_eigh", "eigh's LAPACK workspace"),
     "_linalg_svd": Symbol("torch:ops.aten._linalg_svd", "svd's LAPACK workspace"),
     "_euclidean_dist": Symbol("torch:ops.aten._euclidean_dist", "cdist's matrix-product scratch"),
+    "_safe_softmax": Symbol(
+        "torch:ops.aten._safe_softmax", "the attention math path's softmax and its row mask"
+    ),
     **{
         name: Symbol(f"torch:ops.aten.{name}", "the FFT's copy of an input not laid out for it")
         for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r")
