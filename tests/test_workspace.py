@@ -470,6 +470,10 @@ def _holders() -> dict[str, Any]:
         "fold": lambda a, s, v, x, cols: F.fold(cols, (16, 16), 3, padding=1),  # col2im
         # attention's math path: a mask of its input's size beside its softmax
         "safe_softmax": lambda a, s, v, x, cols: torch.ops.aten._safe_softmax.default(x, -1),
+        # accumulation in bf16 over the last dimension, through fp32 buffers of its own
+        "index_add_bf16": lambda a, s, v, x, cols: x.new_zeros(
+            4, 8, 16, 32, dtype=torch.bfloat16
+        ).index_add_(3, torch.arange(16), x.bfloat16()),
     }
 
 
@@ -485,9 +489,10 @@ def _holder_inputs() -> tuple[torch.Tensor, ...]:
 def test_kernels_holding_copies_are_counted_with_what_they_hold() -> None:
     """LAPACK works on a copy of its input, in a workspace of its own; kthvalue selects in a copy;
     im2col outgrows a buffer made like its input, and col2im's output keeps one its input's
-    size; attention's `_safe_softmax` makes a mask of its input's size beside its output: all
-    allocated inside the kernel, where the simulation saw the outputs alone (eig's peak 64%
-    short, pinv's 75%, kthvalue's 99.8%, col2im's 89%, `_safe_softmax`'s 21%)."""
+    size; attention's `_safe_softmax` makes a mask of its input's size beside its output, a bf16
+    `index_add_` fp32 buffers: all allocated inside the kernel, where the simulation saw the
+    outputs alone (eig's peak 64% short, pinv's 75%, kthvalue's 99.8%, col2im's 89%,
+    `_safe_softmax`'s 21%)."""
     held = {}
     for name, call in _holders().items():
         inputs = _holder_inputs()

@@ -8,7 +8,8 @@ Measured on torch 2.13's CPU build (this machine has no native bf16): a bf16 3x3
 16x16x32x32 input holds 4.5 MiB beyond its 0.5 MiB output, which put a checkpointed ResNet's
 estimate 35% under its peak.
 
-For the operators known to use a workspace (`OPERATORS`, `MATMULS` in bf16 or fp16 on CPU, and
+For the operators known to use a workspace (`OPERATORS`, `MATMULS` and `ACCUMULATIONS` in bf16 or
+fp16 on CPU, and
 any operator but an elementwise one, a reduction or a view given an expanded tensor, which it may
 copy: `copies_expanded`), each distinct call (operator, shapes, strides, dtypes, other
 arguments) is run once for real on the planned device, on zero-filled tensors (or, where the
@@ -146,6 +147,16 @@ OPERATORS = frozenset(
 # only there: on CUDA cuBLAS's workspace is counted apart (`measure.cublas`), and an fp32 product
 # on CPU holds nothing, so probing it would only slow `prepare` down.
 MATMULS = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default))
+# Index and scatter accumulation in bf16 or fp16 on CPU, in place: the kernel accumulates through
+# fp32 buffers of its own (torch 2.13: `index_add_` over the last dimension of a 4x8x32x256 bf16
+# tensor held twice its output beside it, over the first half of it; in fp32 nothing), which a
+# forward that accumulates in place (an MoE layer summing its experts) holds. Not the functional
+# forms: a backward formula calls them on fake tensors where the real step calls the in-place
+# one (`index_select`'s, for a tensor subclass), so the simulation already holds a copy the real
+# step does not; XLNet's relative shift under FSDP2 in bf16, every block checkpointed, reads
+# 4.1% under the allocator's peak on CPU for that reason, and would read over it with the
+# buffer added as well.
+ACCUMULATIONS = frozenset((aten.index_add_.default, aten.scatter_add_.default))
 REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -248,7 +259,7 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
     if func in OPERATORS:
         return True
     if (
-        func in MATMULS
+        (func in MATMULS or func in ACCUMULATIONS)
         and device.type == "cpu"
         and any(isinstance(a, torch.Tensor) and a.dtype in REDUCED for a in args)
     ):
