@@ -498,6 +498,75 @@ def test_an_int_stepping_by_one_in_some_layers_is_no_layer_index(
     assert estimate == _layout_plan(stack, "ddp", False)
 
 
+class _Mixer(torch.nn.Module):
+    """A hybrid decoder's token mixer, of one shape: attention (`wide`), which holds its layer
+    index as transformers' attention does, or another kind (a state-space or convolution mixer),
+    which holds none."""
+
+    def __init__(self, layer_idx: int | None) -> None:
+        super().__init__()
+        if layer_idx is not None:
+            self.layer_idx = layer_idx
+        self.wide = layer_idx is not None
+        self.linear = torch.nn.Linear(64, 64)
+
+    forward = _Block.forward
+
+
+class _HybridBlock(torch.nn.Module):
+    """Attention in every second block (Jamba, LFM2, Qwen3-Next, RecurrentGemma)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.mixer = _Mixer(layer_idx if layer_idx % 2 == 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixer(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["unchecked", "checkpointed"])
+def test_a_layer_index_held_by_every_second_block_counts_them(
+    checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention blocks' index differed one period apart and was no layer index, held by
+    half the blocks: such models were simulated whole. Now they extend by periods of two, to
+    the whole model's estimate."""
+    stack = _Stack([False] * 2 * DEPTH)
+    stack.blocks = torch.nn.ModuleList(_HybridBlock(i) for i in range(2 * DEPTH))
+    names = [f"blocks.{i}" for i in range(2 * DEPTH)]
+    repeats = layout_module.layout(stack, names)
+    assert repeats is not None
+    assert [(s.lead, s.period, s.periods, s.tail) for s in repeats.stretches] == [(0, 2, DEPTH, 0)]
+    periods = _periods_simulated(monkeypatch)
+    extended = _layout_plan(stack, "ddp", checkpointed)
+    assert "whole" not in periods, periods
+    monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", 10**6)
+    whole = _layout_plan(stack, "ddp", checkpointed)
+    assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)
+
+
+class _Indexed(torch.nn.Module):
+    def __init__(self, **ints: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        for name, value in ints.items():
+            setattr(self, name, value)
+
+
+def test_an_index_counts_the_blocks_holding_it_but_not_its_absence() -> None:
+    from autoshard.measure.alike import alike, counting, describe
+
+    described = [describe(_Indexed(**({} if i == 3 else {"layer_idx": i}))) for i in range(6)]
+    counted = counting(described)
+    assert ".layer_idx" in counted
+    assert alike(described[0], described[1], counted)
+    assert not alike(described[2], described[3], counted)  # one holds it, the other does not
+    # held by two blocks only, stepping by one: no position (a top-k of 2, then 3)
+    described = [describe(_Indexed(**({"top_k": i} if i >= 4 else {}))) for i in range(6)]
+    assert ".top_k" not in counting(described)
+    assert not alike(described[4], described[5], counting(described))
+
+
 class _ByPosition(_Block):
     """A block that holds only its position (`layer_idx`, which counts the blocks) and computes
     by it: every eighth keeps an activation 8 times its input's. Alike in all they hold."""

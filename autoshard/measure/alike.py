@@ -10,9 +10,9 @@ difference lives in each layer's attributes (`self.sliding_window = ... if self.
 strings, flags, None, tuples of them), the names of its callable ones (a partial's arguments
 too), each submodule's class (an activation chosen per layer has no parameters to tell it) and
 every parameter's and buffer's shape, dtype and trainability. An attribute that counts the
-blocks of the list (`layer_idx`: its position plus one constant, in every block) is no
-difference; any other int must be equal (a top-k of 1 in some layers, 2 in others is not a
-layer index, though it steps by one). Attributes that differ without
+blocks of the list (`layer_idx`: its position plus one constant, in every block that holds it)
+is no difference; any other int must be equal (a top-k of 1 in some layers, 2 in others is not
+a layer index, though it steps by one). Attributes that differ without
 changing memory (timm's drop-path rates, which grow with depth) cost the extension, never the
 estimate: such blocks are simulated whole. What blocks hold cannot tell a block that computes by
 its position alone (`layer_idx % 4` in its forward, or a parent calling every sixth differently):
@@ -54,17 +54,28 @@ def describe(block: nn.Module) -> Described:
 
 
 def counting(described: list[Described]) -> frozenset[str]:
-    """The attributes that count the blocks of one list (`layer_idx`): an int in every block,
-    its position in the list plus one constant. Only these may differ between blocks alike."""
-    if not described:
-        return frozenset()
-    keys = set(described[0]).intersection(*described[1:])
+    """The attributes that count the blocks of one list (`layer_idx`): an int in every block that
+    has it, at least `COUNTED_IN` of them, its position in the list plus one constant. Only these
+    may differ between blocks alike, and only in value: a block with one and a block without are
+    unlike. Not only those in every block: a hybrid decoder's attention keeps its `layer_idx`
+    where its other mixers keep none (Jamba, LFM2, Qwen3-Next, RecurrentGemma: attention every
+    second layer), and its blocks never matched one period apart, so each was simulated whole."""
+    holders: dict[str, list[int]] = {}
+    for i, d in enumerate(described):
+        for key in d:
+            holders.setdefault(key, []).append(i)
     return frozenset(
         key
-        for key in keys
-        if all(_is_int(d[key]) for d in described)
-        and len({d[key] - i for i, d in enumerate(described)}) == 1
+        for key, at in holders.items()
+        if len(at) >= COUNTED_IN
+        and all(_is_int(described[i][key]) for i in at)
+        and len({described[i][key] - i for i in at}) == 1
     )
+
+
+# Blocks that must hold an attribute for it to count them: two stepping by their distance could
+# be anything (a top-k of 2 and 3 in the last two layers); three in step are a position.
+COUNTED_IN = 3
 
 
 def alike(a: Described, b: Described, counted: frozenset[str] = frozenset()) -> bool:
@@ -86,7 +97,8 @@ def differing(blocks: list[nn.Module]) -> str | None:
 
 def _difference(a: Described, b: Described, counted: frozenset[str]) -> str | None:
     for key in sorted(a.keys() | b.keys()):
-        if key not in counted and a.get(key, _ABSENT) != b.get(key, _ABSENT):
+        mine, theirs = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if mine != theirs and (key not in counted or _ABSENT in (mine, theirs)):
             return key
     return None
 
