@@ -8,13 +8,12 @@ Measured on torch 2.13's CPU build (this machine has no native bf16): a bf16 3x3
 16x16x32x32 input holds 4.5 MiB beyond its 0.5 MiB output, which put a checkpointed ResNet's
 estimate 35% under its peak.
 
-For the operators known to use a workspace (`OPERATORS`, `MATMULS` and `ACCUMULATIONS` in bf16 or
-fp16 on CPU, and
-any operator but an elementwise one, a reduction or a view given an expanded tensor, which it may
-copy: `copies_expanded`), each distinct call (operator, shapes, strides, dtypes, other
-arguments) is run once for real on the planned device, on zero-filled tensors (or, where the
-workspace depends on the values, `FILLERS`, on values that take the kernel's hungriest path),
-and the bytes it held beyond its outputs are measured: on CUDA from the allocator's peak
+For the operators known to use a workspace (`OPERATORS`; `MATMULS` and `ACCUMULATIONS` in bf16
+or fp16 on CPU; any operator but an elementwise one, a reduction or a view given an expanded
+tensor, which it may copy: `copies_expanded`), each distinct call (operator, shapes, strides,
+dtypes, other arguments) is run once for real on the planned device, on zero-filled tensors (or,
+where the workspace depends on the values, `FILLERS`, on values that take the kernel's hungriest
+path), and the bytes it held beyond its outputs are measured: on CUDA from the allocator's peak
 statistics, on CPU from the profiler's memory events (the CPU allocator keeps no statistics).
 The default random generators are left as they were (fused attention draws its dropout from
 them).
