@@ -207,6 +207,9 @@ OPTIMIZER_IMPLEMENTATIONS = {
 }
 
 
+_ZOO_FILE = "estimate_accuracy.zoo_file:"  # sys.modules' key of a zoo file, by its path
+
+
 def registry(name: str) -> Any:
     """The zoo `--zoo` names: the project's own, the external one, or a file of the user's
     that defines, as zoo_external.py does, `ENTRIES` (the models by name) and
@@ -228,9 +231,6 @@ def registry(name: str) -> Any:
                 raise ValueError(f"--zoo {name}: defines no {needed} (see zoo_external.py)")
         sys.modules[_ZOO_FILE + str(path)] = module  # loaded once per process
     return module
-
-
-_ZOO_FILE = "estimate_accuracy.zoo_file:"
 
 
 def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> Any:

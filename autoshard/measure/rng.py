@@ -30,32 +30,30 @@ from autoshard._torch_compat import resolve
 
 _local = threading.local()  # .depth: this thread's counted steps in progress
 _lock = threading.Lock()
-_installed: list[tuple[Any, Any]] = []  # torch's own (get, set) while ours are in place
+_own: tuple[Any, Any] | None = None  # torch's own (get, set) while ours are in place
 _users = 0  # counted steps in progress, every thread
 
 
 @functools.cache
 def state_bytes() -> int:
     """The size of the CPU generator's state (MT19937 and its extras)."""
-    return int(_installed[0][0]().nbytes) if _installed else int(torch.get_rng_state().nbytes)
+    return int((_own[0] if _own else torch.get_rng_state)().nbytes)
 
 
 def _get_state() -> torch.Tensor:
-    get, _ = _installed[0]
     if getattr(_local, "depth", 0) > 0:
         block = torch.empty(state_bytes(), dtype=torch.uint8, device="cpu")
         if isinstance(block, resolve("FakeTensor")):
             return block
         # the fake mode set aside (a kernel run for real inside the step, a workspace probe):
         # the real state, which that caller will set back
-    return get()  # type: ignore[no-any-return]
+    # torch's own (the default generator's, where a caller kept ours past the step)
+    return (_own[0] if _own else torch.default_generator.get_state)()  # type: ignore[no-any-return]
 
 
 def _set_state(new_state: torch.Tensor) -> None:
-    _, set_ = _installed[0]
-    if isinstance(new_state, resolve("FakeTensor")):
-        return
-    set_(new_state)
+    if not isinstance(new_state, resolve("FakeTensor")):
+        (_own[1] if _own else torch.default_generator.set_state)(new_state)
 
 
 @contextmanager
@@ -65,10 +63,10 @@ def states_counted(device: torch.device) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
-    global _users
+    global _users, _own
     with _lock:
         if _users == 0:
-            _installed.append((torch.get_rng_state, torch.set_rng_state))
+            _own = (torch.get_rng_state, torch.set_rng_state)
             state_bytes()  # measured on torch's own
             torch.get_rng_state = _get_state
             torch.set_rng_state = _set_state
@@ -80,8 +78,9 @@ def states_counted(device: torch.device) -> Iterator[None]:
         _local.depth -= 1
         with _lock:
             _users -= 1
-            if _users == 0:
-                get, set_ = _installed.pop()
+            if _users == 0 and _own is not None:
+                get, set_ = _own
+                _own = None
                 # put back only what is still ours (not what something else has put there since)
                 if torch.get_rng_state is _get_state:
                     torch.get_rng_state = get
