@@ -76,7 +76,8 @@ def resolve(*, init: bool) -> World:
         )
         reasons.append(
             f"one process, no process group, training on {device}: unwrapped, unless its state "
-            f"must be offloaded to host memory (prepare then creates a one-rank group)"
+            f"must be offloaded to host memory or it trains only sharded (prepare then creates "
+            f"a one-rank group)"
         )
         return World(0, 0, 1, 1, None, device, False, tuple(reasons))
     backend = str(dist.get_backend())

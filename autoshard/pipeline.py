@@ -214,10 +214,34 @@ def gather(call: Call, target: Target) -> _Gathered:
     traced_on = simulated_on(target.device)  # a model on meta: traced where it is simulated
     traced = [m for _, m in blocks]
     measured = measure(model, traced, batch, call.loss_fn, mp.dtype, names, traced_on)
-    off = None if request.mixed_precision is not None else precision_off(mp, measured)
-    if off is not None:  # auto chose a precision the forward cannot run under: traced without
-        mp, mp_reason = off
-        measured = measure(model, traced, batch, call.loss_fn, None, names, traced_on)
+    raised = measured.under_autocast
+    reasons = [mp_reason]
+    if raised is not None and mp.dtype is not None:
+        # The forward raises under autocast and runs without it: LOCAL and DDP, which compute
+        # under autocast, cannot train it in this precision; FSDP2's cast parameters may. Where
+        # they cannot either, or this job cannot use FSDP2, "auto" turns mixed precision off.
+        cast = _cast_instead(target, model, optimizer, request, autocast_raises(mp, raised))
+        if cast is not None:
+            by_cast = measure(model, traced, batch, call.loss_fn, mp.dtype, names, traced_on, True)
+            if by_cast.profile is not None:
+                measured = replace(by_cast, under_autocast=raised)
+                reasons.append(cast)
+            elif request.mixed_precision is not None:
+                name = str(mp.dtype).removeprefix("torch.")
+                raise ValueError(
+                    f"the model's forward raises under autocast to {name} ({raised}), and runs "
+                    f"without it, but the step with its parameters cast to {name}, as FSDP2 "
+                    f"computes it without autocast, could not be run on fake tensors either "
+                    f"({by_cast.trace_note}): an operator of the model mixes dtypes (an in-place "
+                    f"one between an fp32 tensor and a {name} one, say). Pass "
+                    f"mixed_precision='no', or cast where the model mixes them"
+                )
+        if measured.profile is None:  # "auto", no FSDP2's cast parameters: traced without
+            off = precision_off(mp, measured)
+            assert off is not None
+            mp, mp_reason = off
+            reasons = [mp_reason]
+            measured = measure(model, traced, batch, call.loss_fn, None, names, traced_on)
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
     memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)
@@ -243,9 +267,46 @@ def gather(call: Call, target: Target) -> _Gathered:
         ),
     )
     work = Work(model, optimizer, batch, call.loss_fn, request, call.options["trial_step"])
-    reasons = [*(world.reasons if in_job else ()), mp_reason, blocks_reason(model, names)]
+    reasons = [*(world.reasons if in_job else ()), *reasons, blocks_reason(model, names)]
     meta = () if meta_note is None else (meta_note,)
     return _Gathered(report, work, blocks, mp, [*reasons, *block_notes], meta)
+
+
+def autocast_raises(mp: Precision, raised: str) -> str:
+    """What a forward raised under autocast to `mp`'s dtype (`Measured.under_autocast`), as
+    `Job.autocast_raises` says it."""
+    name = str(mp.dtype).removeprefix("torch.")
+    return f"the model's forward raises under autocast to {name} ({raised})"
+
+
+def _cast_instead(
+    target: Target, model: nn.Module, optimizer: Any, request: Request, raised: str
+) -> str | None:
+    """Where the model's forward raises under mixed precision's autocast (`raised`, as
+    `autocast_raises` says it) and runs without it: why FSDP2 trains it instead, its parameters
+    cast to the compute dtype, and LOCAL and DDP are not weighed; None where "auto" mixed
+    precision should be off instead, this job being unable to use FSDP2 (or the caller forcing
+    a strategy that computes under autocast). A mixed precision the caller asked for that no
+    strategy can give raises, on every rank, the forced or unsharded strategy's ValueError."""
+    job = _job(target, 1, layer_drop(model), cannot_shard(model, optimizer), raised)
+    sharded = [s for s in available(job) if recipe(s).sharded]
+    forced = request.strategy
+    usable = [s for s in sharded if forced in (None, s)]
+    if usable:
+        alone = (
+            ", on one rank too (it only adds FSDP2's work there)" if target.world_size == 1 else ""
+        )
+        return (
+            f"{raised}, though it runs without it (an operator of the model mixes dtypes "
+            f"autocast leaves apart): LOCAL and DDP, which compute mixed precision under "
+            f"autocast, are not weighed; FSDP2 casts the parameters to the compute dtype instead "
+            f"(no autocast), under which the step was traced and runs{alone}"
+        )
+    if request.mixed_precision is None:
+        return None
+    unsharded = Strategy.LOCAL if target.world_size == 1 else Strategy.DDP
+    refused = recipe(forced or unsharded).unavailable(job)
+    raise ValueError(refused or f"{raised}; pass mixed_precision='no'")
 
 
 def _decide(
@@ -265,6 +326,7 @@ def _decide(
         decide(inputs, strategies, request.strategy, forced_ac),
         unused_parameters=unused,
         layer_drop=drop,
+        autocast_raises=job.autocast_raises,
     )
     if job.own_group and recipe(plan.strategy).engine is not Engine.NONE and not target.in_job:
         plan = replace(plan, reasons=(*plan.reasons, own_group_note(str(plan.strategy))))
@@ -316,9 +378,15 @@ def _simulated(
     inputs = replace(inputs, setting=setting, host_usable_bytes=usable_host_memory(reports))
     inputs = with_cublas(inputs, reports)
     inputs = with_device(with_host(inputs, reports), reports)
-    job = _job(target, num_nodes, drop, unshardable)
+    raised = next((r.measured.under_autocast for r in reports if r.measured.under_autocast), None)
+    mp = gathered.mixed_precision
+    autocast = None if raised is None or mp.dtype is None else autocast_raises(mp, raised)
+    job = _job(target, num_nodes, drop, unshardable, autocast)
     inputs = replace(inputs, unshardable=never_sharded(job))
     available_ = available(job)
+    if not available_:  # nothing computes without autocast here (FSDP2 cannot be used either)
+        unsharded = Strategy.LOCAL if target.world_size == 1 else Strategy.DDP
+        raise ValueError(recipe(request.strategy or unsharded).unavailable(job))
     check_forced(available_, request.strategy, job)  # before any simulation
     strategies = searched(available_, target.world_size, request.strategy)
     names = [n for n, _ in gathered.blocks]
@@ -429,11 +497,16 @@ def skips_layers(model: nn.Module, reports: list[RankReport]) -> str | None:
 
 
 def _job(
-    target: Target, num_nodes: int, drop: str | None = None, unshardable: str | None = None
+    target: Target,
+    num_nodes: int,
+    drop: str | None = None,
+    unshardable: str | None = None,
+    autocast: str | None = None,
 ) -> Job:
     """What decides which strategies the target can use (`strategies.recipes.available`):
     `drop` where the model skips layers at random, `unshardable` where FSDP2 cannot train the
-    model and optimizer (`cannot_shard`)."""
+    model and optimizer (`cannot_shard`), `autocast` where mixed precision is on and the model's
+    forward raises under autocast (`autocast_raises`)."""
     return Job(
         target.world_size,
         target.distributed,
@@ -442,6 +515,7 @@ def _job(
         own_group=target.world_size == 1 and not target.distributed and dist.is_available(),
         skips_layers=drop,
         cannot_shard=unshardable,
+        autocast_raises=autocast,
     )
 
 

@@ -43,10 +43,11 @@ def searched(
 ) -> tuple[Strategy, ...]:
     """The strategies a decision weighs among those available: the forced one, else all of them,
     except that with one rank only those that help alone (`Recipe.helps_alone`: unwrapped, or
-    offloaded to host memory); sharding over one rank or DDP only adds work."""
+    offloaded to host memory); sharding over one rank or DDP only adds work, unless the model
+    cannot train unwrapped (its forward raises under autocast: `Job.autocast_raises`)."""
     if forced is not None:
         return tuple(s for s in strategies if s == forced)
-    if world_size == 1:
+    if world_size == 1 and Strategy.LOCAL in strategies:
         return tuple(s for s in strategies if recipe(s).helps_alone)
     return strategies
 

@@ -143,6 +143,10 @@ class Plan:
     # 0.05"), leaving their parameters without a gradient in some steps whatever the traced one
     # did: DDP must look for unused parameters every step too.
     layer_drop: str | None = field(default=None)
+    # Where mixed precision is on and the model's forward raises under autocast (`Job.
+    # autocast_raises`): it trains in mixed precision only by FSDP2's cast parameters, never
+    # under autocast (`accelerate_kwargs` turns accelerate's off).
+    autocast_raises: str | None = field(default=None)
 
     @property
     def find_unused_parameters(self) -> bool:

@@ -169,5 +169,6 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         ],
         "unused_parameters": list(plan.unused_parameters),
         "layer_drop": plan.layer_drop,
+        "autocast_raises": plan.autocast_raises,
         "reasons": list(plan.reasons),
     }

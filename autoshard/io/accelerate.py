@@ -53,6 +53,9 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
           random (`plan.layer_drop`): `plan.find_unused_parameters`. accelerate has no activation
           checkpointing outside FSDP: a DDP plan that checkpoints blocks warns instead.
         - LOCAL (one process): nothing else.
+        - `AutocastKwargs(enabled=False)` in `kwargs_handlers` where the model's forward raises
+          under autocast (`plan.autocast_raises`, a sharded plan): accelerate autocasts every
+          forward under mixed precision, FSDP's too; FSDP2's cast parameters compute it instead.
         - `cpu=True` where there is no CUDA device: without it accelerate 1.x treats each process
           of `accelerate launch --multi_gpu` on a machine without GPUs as a job of its own
           (`DistributedType.NO`), so the ranks would train apart. On CPU accelerate runs DDP only
@@ -97,6 +100,12 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
             )
     elif plan.strategy == Strategy.DDP:
         kwargs["kwargs_handlers"] = [ddp_kwargs(plan)]
+    if plan.autocast_raises is not None and plan.mixed_precision.dtype is not None:
+        from accelerate.utils import AutocastKwargs
+
+        # accelerate runs the forward under autocast whenever mixed precision is on, FSDP too
+        handlers = [*kwargs.get("kwargs_handlers", []), AutocastKwargs(enabled=False)]
+        kwargs["kwargs_handlers"] = handlers
     if plan.activation_checkpointing and not recipe(plan.strategy).sharded:
         warnings.warn(
             f"the plan checkpoints {plan.activation_checkpointing} of {plan.num_blocks} blocks "

@@ -133,11 +133,14 @@ def measure(
     dtype: torch.dtype | None,
     names: list[str] | None = None,
     device: torch.device | None = None,
+    cast: bool = False,
 ) -> Measured:
     """Trace one step of `batch`. A model whose blocks repeat (more than SHALLOW[-1] periods:
     `layout.repeats`) is traced with SHALLOW[0] periods of them (a module tree sharing the
     model's tensors) and extended. `device`: where the simulations run (`fake.simulated_on`),
-    and so where a model on meta is traced (`trace.fake_state`)."""
+    and so where a model on meta is traced (`trace.fake_state`). With `cast`, `dtype` is computed
+    as FSDP2's mixed precision computes it (`trace.cast_as_fsdp2`), on fake tensors only: where
+    they cannot run the step so, no profile, and the note says what it raised."""
     device = device if device is not None and _on_meta(model, batch) else None
     if batch is None:
         return Measured(
@@ -152,12 +155,13 @@ def measure(
             str(dtype),
             names,
             None if device is None else cache.describe_device(device),
+            *(["cast"] if cast else []),
         ]
     )
     kept = cache.load("trace", name, _measured_from_json)
     if kept is not None:
         return kept
-    measured = _measure(model, blocks, batch, loss_fn, dtype, names, device)
+    measured = _measure(model, blocks, batch, loss_fn, dtype, names, device, cast)
     # a step measured on real tensors depends on the batch's values (what it read back): not kept
     if measured.profile is not None and measured.user_error is None and not measured.by_values:
         value = {"profile": cache.profile_to_json(measured.profile), "note": measured.trace_note}
@@ -178,7 +182,17 @@ def _measure(
     dtype: torch.dtype | None,
     names: list[str] | None,
     device: torch.device | None,
+    cast: bool = False,
 ) -> Measured:
+    if cast:  # on fake tensors only, with no fallback: where they cannot run it so, no profile
+        try:
+            with own_runs_quiet(), autograd_on():
+                profile = _profile(model, blocks, batch, loss_fn, dtype, names, device, cast)
+        except Exception as error:  # noqa: BLE001 - said, not raised
+            logger.debug("the step with cast parameters could not be traced", exc_info=True)
+            return Measured(None, _first_line(error))
+        name = str(dtype).removeprefix("torch.")
+        return Measured(profile, _traced(profile, f" with the parameters cast to {name}"))
     where = ""
     try:
         with own_runs_quiet(), autograd_on():
@@ -218,12 +232,16 @@ def _measure(
             return Measured(None, "", _does_not_fit(real, batch))
         with autograd_on():
             return _measured_for_real(model, blocks, batch, loss_fn, dtype, error)
-    return Measured(
-        profile,
-        f"activations traced from the example batch: {human(profile.activation_bytes(0))} "
+    return Measured(profile, _traced(profile, "", where))
+
+
+def _traced(profile: ActivationProfile, how: str, where: str = "") -> str:
+    """The trace's note: what it saved, and what it could not count as a step does."""
+    return (
+        f"activations traced from the example batch{how}: {human(profile.activation_bytes(0))} "
         f"saved for backward over the whole forward (the table's activ is what is still alive "
         f"at each candidate's peak moment, less what checkpointing frees){_flops_note(profile)}"
-        f"{_unlike_note(profile)}{_values_note(profile)}{where}",
+        f"{_unlike_note(profile)}{_values_note(profile)}{where}"
     )
 
 
@@ -276,25 +294,27 @@ def _profile(
     dtype: torch.dtype | None,
     names: list[str] | None,
     device: torch.device | None = None,
+    cast: bool = False,
 ) -> ActivationProfile:
     """The trace's profile, its memory-bound calls cut to those moving the most bytes in the
-    whole model (`priced.most_moving`): a shallow trace's once extended."""
+    whole model (`priced.most_moving`): a shallow trace's once extended. `cast`: as `measure`'s."""
 
     def whole() -> ActivationProfile:
-        return _kept(profile_step(model, blocks, batch, loss_fn, dtype, device=device))
+        return _kept(profile_step(model, blocks, batch, loss_fn, dtype, device=device, cast=cast))
 
     # One copy is traced, not three as simulated (`layout.layout`): worth it wherever it holds
     # fewer blocks (BART-large's 12 + 12 blocks: 6, a quarter of the whole trace's operators)
     found = repeats(model, names) if names is not None else None
     if names is None or found is None or len(found.kept(SHALLOW[0])) >= len(names):
         return whole()
-    unlike = _unlike(model, blocks, names, found, batch, dtype, device)
+    # blocks alike run alike operators in any dtype: compared without autocast where it raises
+    unlike = _unlike(model, blocks, names, found, batch, None if cast else dtype, device)
     if unlike is not None:  # a copy would not run what the model runs: nothing is extended
         return replace(whole(), unlike_blocks=unlike)
     try:  # a copy with fewer blocks may fail where the model runs (as may copying at all)
         shallow, kept = shallow_copy(model, names, found.kept(SHALLOW[0]))
         traced = [shallow.get_submodule(n) for n in kept]
-        profile = profile_step(shallow, traced, batch, loss_fn, dtype, device=device)
+        profile = profile_step(shallow, traced, batch, loss_fn, dtype, device=device, cast=cast)
     except Exception:  # noqa: BLE001 - see above
         return whole()
     # A block of the copy whose parameters got no gradient (a head reading the second-last

@@ -43,6 +43,7 @@ from autoshard._torch_compat import (
     TorchDispatchMode,
     flop_formulas,
     grouped_mm,
+    is_batch_norm,
     op_overload,
     raw_flop_formula,
     sdpa_flop_ops,
@@ -141,8 +142,13 @@ def profile_step(
     autocast_dtype: torch.dtype | None,
     real: bool = False,
     device: torch.device | None = None,
+    cast: bool = False,
 ) -> ActivationProfile:
     """Trace one forward and backward of `batch` under FakeTensorMode and measure it.
+
+    With `cast`, `autocast_dtype` is computed as FSDP2's mixed precision computes it, not under
+    autocast: the parameters cast to it (batch norms' kept, `cast_as_fsdp2`), the forward's
+    floating inputs too, its floating outputs cast back to fp32.
 
     With `real`, the step runs on real tensors instead (for a batch that fake tensors cannot
     run, `profile_scaled`): on detached aliases of the parameters and copies of the buffers, so
@@ -165,6 +171,10 @@ def profile_step(
     else:
         mode = fake_mode()
         state, fake_batch = fake_state(mode, model, batch, device)
+    if cast and autocast_dtype is not None:
+        assert not real, "a step with cast parameters is traced on fake tensors only"
+        with mode:
+            state = cast_as_fsdp2(model, state, autocast_dtype)
     existing = {
         storage_key(t.untyped_storage()) for t in [*state.values(), *tensors_in(fake_batch)]
     }
@@ -177,13 +187,18 @@ def profile_step(
     traffic = _Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model, None if real else device)
-    autocast = autocast_for(device_type, autocast_dtype)
+    autocast = autocast_for(device_type, None if cast else autocast_dtype)
+    cast_to = autocast_dtype if cast else None
     taken: dict[str, Any] = {}  # the forward's figures, taken before backward
 
     def step(model: nn.Module) -> None:
         with autocast:
             args, kwargs = split_batch(fake_batch)
+            if cast_to is not None:
+                args, kwargs = _floating_to((args, kwargs), cast_to)
             output = model(*args, **kwargs)
+            if cast_to is not None:
+                output = _floating_to(output, torch.float32)
         loss = compute_loss(output, fake_batch, loss_fn)
         taken["flops"] = counter.get_total_flops()
         taken["traffic"] = traffic.bytes, traffic.kernels
@@ -453,6 +468,43 @@ class _Step(nn.Module):
 
     def forward(self) -> None:
         self.step(self.model)
+
+
+def cast_as_fsdp2(
+    model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """`state` (`fake_state`'s) with the floating parameters cast to `dtype`, as FSDP2's
+    `MixedPrecisionPolicy(param_dtype=dtype)` gathers them (`engines.shard_module`), but batch
+    norms', which it keeps in fp32; each a leaf requiring a gradient where the parameter does
+    (tied ones stay one tensor). Run it under the state's fake mode."""
+    kept = {
+        f"{name}.{leaf}" if name else leaf
+        for name, sub in model.named_modules(remove_duplicate=False)
+        if is_batch_norm(sub)
+        for leaf, _ in sub.named_parameters(recurse=False)
+    }
+    made: dict[int, torch.Tensor] = {}
+    cast = dict(state)
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        tensor = state[name]
+        if name in kept or not tensor.is_floating_point() or tensor.dtype == dtype:
+            continue
+        if id(tensor) not in made:
+            made[id(tensor)] = tensor.detach().to(dtype).requires_grad_(tensor.requires_grad)
+        cast[name] = made[id(tensor)]
+    return cast
+
+
+def _floating_to(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its floating tensors cast to `dtype`, as FSDP2 casts a module's inputs and
+    (`output_dtype`) the root's outputs."""
+
+    def to(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(to, tree)
 
 
 def fake_state(

@@ -39,6 +39,10 @@ class Job:
     skips_layers: str | None = None
     # Why FSDP2 cannot train this model and optimizer at all (`engines.cannot_shard`), or None
     cannot_shard: str | None = None
+    # Where mixed precision is on and the model's forward raises under autocast, though it runs
+    # without it: what it raised, as "the model's forward raises under autocast to bfloat16
+    # (RuntimeError: ...)". LOCAL and DDP compute under autocast; FSDP2 casts the parameters.
+    autocast_raises: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,33 @@ class Recipe:
         return other in self.falls_back_to
 
 
+def _under_autocast(
+    check: Callable[[Job], str | None], strategy: Strategy
+) -> Callable[[Job], str | None]:
+    """`check`, and not for a model whose forward raises under autocast (`Job.autocast_raises`),
+    which an unsharded strategy computes mixed precision under; FSDP2 casts the parameters to the
+    compute dtype instead and runs it, where it can train the job at all."""
+
+    def unsharded(job: Job) -> str | None:
+        if job.autocast_raises is None:
+            return check(job)
+        sharded = RECIPES[Strategy.FULL_SHARD].unavailable(job)
+        instead = (
+            "FSDP2 casts the parameters to that dtype instead, without autocast: use "
+            "'shard_grad_op' or 'full_shard' (one rank too), or 'auto'"
+            if sharded is None
+            else f"and FSDP2, which casts the parameters instead, cannot be used here ({sharded})"
+        )
+        return (
+            f"strategy {strategy} computes mixed precision under autocast, and "
+            f"{job.autocast_raises}, though it runs without it (an operator of the model mixes "
+            f"dtypes autocast leaves apart); {instead}; or pass mixed_precision='no', or cast "
+            f"where the model mixes them"
+        )
+
+    return unsharded
+
+
 def _local(job: Job) -> str | None:
     if job.world_size == 1:
         return None
@@ -121,7 +152,9 @@ def _local(job: Job) -> str | None:
 
 def _needs_group(strategy: Strategy) -> Callable[[Job], str | None]:
     def check(job: Job) -> str | None:
-        if job.distributed:
+        # a process alone may shard over a one-rank group of its own where it cannot train
+        # unsharded (`Job.autocast_raises`)
+        if job.distributed or (job.own_group and job.autocast_raises is not None):
             return None
         return (
             f"strategy {strategy} needs a process group; launch with torchrun or accelerate "
@@ -189,8 +222,18 @@ def _offload(job: Job) -> str | None:
 RECIPES: dict[Strategy, Recipe] = {
     r.strategy: r
     for r in (
-        Recipe(Strategy.LOCAL, Engine.NONE, _local, falls_back_to=None),
-        Recipe(Strategy.DDP, Engine.DDP, _needs_group(Strategy.DDP), falls_back_to=None),
+        Recipe(
+            Strategy.LOCAL,
+            Engine.NONE,
+            _under_autocast(_local, Strategy.LOCAL),
+            falls_back_to=None,
+        ),
+        Recipe(
+            Strategy.DDP,
+            Engine.DDP,
+            _under_autocast(_needs_group(Strategy.DDP), Strategy.DDP),
+            falls_back_to=None,
+        ),
         Recipe(
             Strategy.SHARD_GRAD_OP,
             Engine.FSDP2,
@@ -237,7 +280,9 @@ def recipe(strategy: Strategy) -> Recipe:
 def available(job: Job) -> tuple[Strategy, ...]:
     """The strategies this job can use, in registry order: without a process group LOCAL, and
     those a group of its own would serve (`Job.own_group`); with one, every recipe that accepts
-    the job (with one rank `auto` weighs only those that help alone, `Recipe.helps_alone`)."""
+    the job (with one rank `auto` weighs only those that help alone, `Recipe.helps_alone`).
+    None, where the model's forward raises under autocast (`Job.autocast_raises`) and FSDP2
+    cannot be used either."""
     if not job.distributed and not job.own_group:
-        return (Strategy.LOCAL,)
+        return () if job.autocast_raises is not None else (Strategy.LOCAL,)
     return tuple(s for s, r in RECIPES.items() if r.unavailable(job) is None)
