@@ -89,6 +89,57 @@ def test_checkpointing_whose_recompute_fails_is_not_offered() -> None:
         _plan(model, memory_limit=int(0.8 * roomy.estimated_peak_bytes))
 
 
+class KeepsKeys(nn.Module):
+    """A model with a Hugging Face-style cache (`config.use_cache`, a `use_cache` argument): each
+    block appends its keys to one list and reads them all back, as a decoder's key-value cache
+    does, so a checkpointed block's recomputation appends again and saves other tensors (CTRL and
+    RecurrentGemma under torch's checkpointing); `use_cache=False` leaves the list out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"use_cache": True})()
+        self.blocks = nn.ModuleList([CachingBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+        cache: list[torch.Tensor] | None = [] if use_cache is not False else None
+        for block in self.blocks:
+            x = block(x, cache)
+        return x.square().mean()
+
+
+class CachingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None) -> torch.Tensor:
+        keys = self.fc(x)
+        if cache is None:
+            return x + torch.relu(keys)
+        cache.append(keys)  # every key so far, each block's and a recomputation's
+        return x + torch.relu(torch.cat(cache)).view(-1, *x.shape).mean(0)
+
+
+def test_a_cache_updated_again_in_recompute_says_use_cache_false_runs() -> None:
+    model = KeepsKeys()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = {"x": torch.randn(8, 64)}
+    options: dict[str, object] = dict(world_size=1, device_memory="1GiB", mixed_precision="no")
+    with pytest.raises(RuntimeError, match="LOCAL with blocks checkpointed") as info:
+        autoshard.plan(model, optimizer, batch, activation_checkpointing=True, **options)
+    said = str(info.value)
+    assert "the model keeps a cache (config.use_cache=True)" in said, said
+    assert "with use_cache=False in the batch (or model.config.use_cache = False) the step" in said
+    plan = autoshard.plan(
+        model, optimizer, {**batch, "use_cache": False}, activation_checkpointing=True, **options
+    )
+    assert plan.activation_checkpointing == 2
+    # a crash of another cause says nothing of a cache it does not keep
+    with pytest.raises(RuntimeError, match="DDP with blocks checkpointed") as info:
+        _plan(Net(changes_on_recompute=True), activation_checkpointing=True)
+    assert "use_cache" not in str(info.value), info.value
+
+
 def test_a_tracker_failure_alone_still_offers_the_candidate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -21,6 +21,7 @@ those candidates are not offered (`ConvertedInForward`). FSDP2 of torch 2.15 red
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +162,35 @@ def crash_of(
             f"reduce-scatter in two dtypes"
         )
     error = fake_step(model, setup, strategy, mesh)
-    if error is None:
+    if error is None or plain["error"] is not None:
         return None
-    return error if plain["error"] is None else None
+    return f"{error[:CRASH_CHARS]}{_cache_updated_twice(model, setup, strategy, mesh)}"
+
+
+# What a crash keeps of the error, besides `_cache_updated_twice`'s note
+CRASH_CHARS = 300
+
+
+def _cache_updated_twice(model: nn.Module, setup: Setup, strategy: Strategy, mesh: Any) -> str:
+    """Where a checkpointed run crashed, the model keeps a cache (a Hugging Face config's
+    `use_cache=True`) and the same step runs with `use_cache=False` in the batch: a note saying
+    so, to append to the crash; else "". A checkpointed block that updates a cache of keys and
+    values, or a recurrent state, updates it again when recomputed (CTRL, RecurrentGemma: keys of
+    256 positions for 128 tokens), as the real step does; Hugging Face's own checkpointing turns
+    the cache off, torch's does not."""
+    config = getattr(model, "config", None)
+    batch = setup.batch
+    if (
+        not setup.checkpoint_all
+        or getattr(config, "use_cache", None) is not True
+        or not isinstance(batch, Mapping)
+        or "use_cache" in batch
+    ):
+        return ""
+    if fake_step(model, replace(setup, batch={**batch, "use_cache": False}), strategy, mesh):
+        return ""
+    return (
+        "; the model keeps a cache (config.use_cache=True), which a checkpointed block updates "
+        "again when recomputed, and with use_cache=False in the batch (or model.config.use_cache "
+        "= False) the step runs"
+    )

@@ -378,7 +378,7 @@ def simulate_all(
                 failures[strategy, all_blocks] = f"{type(error).__name__}: {error}"[:160]
                 crash = crash_of(model, run_setup, strategy, mesh, plain)
                 if crash is not None:
-                    crashed[strategy, all_blocks] = crash[:300]
+                    crashed[strategy, all_blocks] = crash
                 continue
             results[strategy, all_blocks] = _as_rank0(simulated, stats, strategy, rank)
     finally:
