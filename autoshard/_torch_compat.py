@@ -153,6 +153,10 @@ SYMBOLS: dict[str, Symbol] = {
     "_BatchNorm": Symbol(
         "torch.nn.modules.batchnorm:_BatchNorm", "keeping batch norm in fp32 under FSDP2"
     ),
+    "_current_graph_task_id": Symbol(
+        "torch._C:_current_graph_task_id",
+        "backward formulas' plain-tensor branches in the simulation (measure.branches)",
+    ),
     # Not in torch.utils.flop_counter's __all__. Graceful where absent: torch's formulas count
     # unguarded (a formula that raises then fails the trace, as before issue 22).
     "flop_registry": Symbol(
@@ -295,6 +299,11 @@ def allocation_tag() -> Any:
 
 def is_batch_norm(module: torch.nn.Module) -> bool:
     return isinstance(module, resolve("_BatchNorm"))
+
+
+def in_backward() -> bool:
+    """Whether this thread runs the autograd engine's backward now (a graph task)."""
+    return bool(resolve("_current_graph_task_id")() != -1)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -21,6 +21,7 @@ from autoshard._torch_compat import (
     tree_leaves,
 )
 from autoshard.decide.estimate import Phase
+from autoshard.measure.branches import PlainBranches
 from autoshard.measure.rng import states_counted
 from autoshard.measure.workspace import Workspace
 from autoshard.strategies.recipes import recipe
@@ -95,7 +96,13 @@ def tracked_step(
         tracker_global_peak_only(tracker)
     # inside the tracker, which so sees the workspace blocks and the generator states kept
     trains_on = setup.trains_on or setup.device
-    with tracker, Workspace(trains_on), states_counted(trains_on), moments.marked():
+    with (
+        tracker,
+        Workspace(trains_on),
+        states_counted(trains_on),
+        PlainBranches(),
+        moments.marked(),
+    ):
         loss = compute_loss(call_model(model, batch), batch, setup.loss_fn)
         moments.mark(HEAD)
         loss.backward()

@@ -1,0 +1,99 @@
+"""Backward formulas' plain-tensor branches in the simulation (`autoshard.measure.branches`):
+`index_select`'s, `gather`'s and advanced indexing's backward add the gradient into zeros in
+place for plain tensors, out of place for a tensor subclass such as a fake tensor; the
+simulation now takes the plain branch, and nothing else is run in place."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+from _dist import REPO
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autoshard.measure.branches import PlainBranches
+
+sys.path.insert(0, str(REPO / "tests"))
+from test_estimate_accuracy import WORST_TARGET  # noqa: E402
+from test_workspace import _real_and_simulated  # noqa: E402
+
+
+class _Picks(nn.Module):
+    """Every eighth column of a wide projection, picked as XLNet's relative shift picks
+    (`index_select`), as `gather` or as advanced indexing does: each backward adds the gradient
+    into zeros of the projection's size, the largest tensor of the step."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 1024)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        columns = torch.arange(0, h.shape[-1], 8, device=x.device)
+        if self.how == "index_select":
+            picked = h.index_select(-1, columns)
+        elif self.how == "gather":
+            picked = h.gather(-1, columns.expand(h.shape[0], -1))
+        else:
+            picked = h[:, columns]
+        return picked.square().mean()
+
+
+@pytest.mark.parametrize("how", ["index_select", "gather", "index"])
+def test_the_estimate_holds_what_the_plain_branch_holds(how: str) -> None:
+    """Out of place, the simulation held a second projection-sized tensor beside the zeros:
+    about 40% over the allocator's peak."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = _Picks(how)
+        return model, torch.optim.AdamW(model.parameters())
+
+    real, simulated = _real_and_simulated(build, torch.randn(256, 16))
+    assert real <= simulated <= real * (1 + WORST_TARGET), (simulated, real)
+
+
+class _Formula(torch.autograd.Function):
+    """A backward formula of its own: zeros, then (with `between`, after another operator) an
+    out-of-place `index_add` into them, as `index_select_backward` does for a subclass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, between: bool) -> torch.Tensor:
+        ctx.between = between
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        rows = torch.arange(grad.shape[0])
+        zeros = grad.new_zeros(grad.shape)
+        if ctx.between:
+            grad = grad * 1
+        added = zeros.index_add(0, rows, grad)
+        _Formula.in_place = added is zeros  # type: ignore[attr-defined]
+        return added, None
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["right_after", "another_op_between"])
+def test_only_the_call_right_after_the_zeros_in_backward_runs_in_place(between: bool) -> None:
+    with FakeTensorMode(), PlainBranches():
+        x = torch.randn(4, 8, requires_grad=True)
+        _Formula.apply(x, between).sum().backward()
+        assert _Formula.in_place is (not between)  # type: ignore[attr-defined]
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_a_forward_s_out_of_place_call_is_left_as_it_is() -> None:
+    """Grad mode on (a forward, a checkpointed block's recomputation): the caller may keep the
+    zeros, so nothing is done in place, in backward or not."""
+    with FakeTensorMode(), PlainBranches():
+        src = torch.randn(4, 8, requires_grad=True)
+        zeros = torch.zeros(4, 8)
+        added = zeros.index_add(0, torch.arange(4), src)
+        assert added is not zeros
+        with torch.no_grad():  # outside backward
+            zeros = torch.zeros(4, 8)
+            assert zeros.index_add(0, torch.arange(4), src) is not zeros
