@@ -40,6 +40,7 @@ class ModelStats:
         optimizer_bytes: optimizer state after its first step (`optimizer.optimizer_state_bytes`).
         optimizer_reason: how optimizer_bytes was counted.
         input_bytes: bytes of the example batch.
+        buffer_bytes: the model's buffers, in the formulas' parameters term.
         step_temporary_bytes: intermediates the optimizer step holds at once, unsharded
             (`optimizer.step_temporary_bytes`); None: assumed as large as all gradients.
         host_step_temporary_bytes: the same for the step on the host (CPU offload), where torch's
@@ -64,6 +65,8 @@ class ModelStats:
     host_step_temporary_bytes: int | None = None
     step_traffic_bytes: int = 0
     step_operators: int = 0
+    # the model's buffers (rotary tables, masks, batch norms' statistics): on every rank, whole
+    buffer_bytes: int = 0
 
     @property
     def root_numel(self) -> int:
@@ -96,6 +99,7 @@ def model_stats(
         host_step_temporary_bytes=host_step_temporary_bytes,
         step_traffic_bytes=step_traffic[0],
         step_operators=step_traffic[1],
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         param_rows=tuple(_rows(p) for p in params),
         grad_rows=tuple(_rows(p) for p in params if p.requires_grad),
     )
@@ -347,7 +351,8 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
     # stage 3 the parameters too. FSDP2 keeps the stored parameter sharded under both; what
     # differs is how much is unsharded at once (comm_buffers).
-    params = -(-stats.param_bytes // n)
+    # FSDP2 shards parameters, never buffers; offload leaves them on the device
+    params = -(-stats.param_bytes // n) + stats.buffer_bytes
     grads = -(-stats.trainable_bytes // n)
     optimizer_state = -(-stats.optimizer_bytes // n)
     activations = stats.input_bytes
@@ -374,8 +379,8 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         step_temp = -(-stats.step_temporary_bytes // n)
     step = (params, grads, optimizer_state, 0, retired_bucket_bytes(stats, s), step_temp)
     if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
-        backward = (0, 0, 0, *backward[3:])
-        step = (0, 0, 0, 0, 0, 0)
+        backward = (stats.buffer_bytes, 0, 0, *backward[3:])
+        step = (stats.buffer_bytes, 0, 0, 0, 0, 0)
     terms = max(backward, step, key=sum)
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
