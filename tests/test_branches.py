@@ -13,6 +13,7 @@ import torch
 from _dist import REPO
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.measure.branches import PlainBranches
 
@@ -57,9 +58,35 @@ def test_the_estimate_holds_what_the_plain_branch_holds(how: str) -> None:
     assert real <= simulated <= real * (1 + WORST_TARGET), (simulated, real)
 
 
+class _Calls(TorchDispatchMode):
+    """Above `PlainBranches`: whether each out-of-place `index_add` it passed on returned its
+    destination (run in place below) or a new tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_place: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.index_add.default:
+            self.in_place.append(result is args[0])
+        return result
+
+
+def test_index_select_s_formula_adds_into_its_zeros_in_place() -> None:
+    with FakeTensorMode(), PlainBranches(), _Calls() as calls:
+        x = torch.randn(4, 8, requires_grad=True)
+        x.index_select(-1, torch.tensor([0, 2, 4])).sum().backward()
+    assert calls.in_place == [True]
+    with FakeTensorMode(), _Calls() as calls:  # fake tensors take the subclass branch
+        x = torch.randn(4, 8, requires_grad=True)
+        x.index_select(-1, torch.tensor([0, 2, 4])).sum().backward()
+    assert calls.in_place == [False]
+
+
 class _Formula(torch.autograd.Function):
-    """A backward formula of its own: zeros, then (with `between`, after another operator) an
-    out-of-place `index_add` into them, as `index_select_backward` does for a subclass."""
+    """A backward of its own, in Python: zeros, then (with `between`, after another operator)
+    an out-of-place `index_add` into them, which the real step runs out of place too."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, between: bool) -> torch.Tensor:
@@ -72,18 +99,16 @@ class _Formula(torch.autograd.Function):
         zeros = grad.new_zeros(grad.shape)
         if ctx.between:
             grad = grad * 1
-        added = zeros.index_add(0, rows, grad)
-        _Formula.in_place = added is zeros  # type: ignore[attr-defined]
-        return added, None
+        return zeros.index_add(0, rows, grad), None
 
 
 @pytest.mark.parametrize("between", [False, True], ids=["right_after", "another_op_between"])
-def test_only_the_call_right_after_the_zeros_in_backward_runs_in_place(between: bool) -> None:
-    with FakeTensorMode(), PlainBranches():
+def test_a_python_backward_s_out_of_place_call_is_left_as_it_is(between: bool) -> None:
+    with FakeTensorMode(), PlainBranches(), _Calls() as calls:
         x = torch.randn(4, 8, requires_grad=True)
         _Formula.apply(x, between).sum().backward()
-        assert _Formula.in_place is (not between)  # type: ignore[attr-defined]
         assert x.grad is not None and x.grad.shape == x.shape
+    assert calls.in_place == [False]
 
 
 def test_a_forward_s_out_of_place_call_is_left_as_it_is() -> None:

@@ -11,13 +11,17 @@ probe counts (`workspace.ACCUMULATIONS`): XLNet's relative shift (`index_select`
 dimension) checkpointed under FSDP2 bf16 read 4.1% under the allocator's peak on CPU.
 
 `PlainBranches` runs such an out-of-place call in place where the formula's zeros are its
-destination: in backward (a graph task, grad mode off, as the engine runs formulas), the call
-right after the zeros were made, its destination those zeros. A forward's own out-of-place call
-(grad mode on, a checkpointed block's recomputation included) is left as it is.
+destination: in backward (a graph task, grad mode off, as the engine runs formulas), made by
+torch's C++ formulas (no Python code between the engine and the call), the call right after the
+zeros were made, its destination those zeros. A forward's own out-of-place call (grad mode on, a
+checkpointed block's recomputation included), and a Python backward's (a custom autograd
+Function's, whose out-of-place call the real step makes too) are left as they are.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import weakref
 
 import torch
@@ -56,9 +60,34 @@ class PlainBranches(TorchDispatchMode):
             and args[0] is zeros()
             and not torch.is_grad_enabled()
             and in_backward()
+            and _from_formula()
         ):
             return in_place(*args, **kwargs)
         result = func(*args, **kwargs)
         if func in ZEROS and isinstance(result, torch.Tensor):
             self._zeros = weakref.ref(result)
         return result
+
+
+# Where the frames of torch's dispatch machinery and of the modes above this one live
+_DISPATCHING = tuple(
+    os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__))
+)
+# torch's Python entry into the autograd engine (torch/autograd/graph.py, torch 2.11 to 2.15)
+_ENGINE_ENTRY = "_engine_run_backward"
+
+
+def _from_formula() -> bool:
+    """Whether the call being dispatched comes from a C++ backward formula: above the frames of
+    torch, of autoshard and of any mode's `__torch_dispatch__`, the engine's Python entry, or no
+    Python frame at all (the engine's own thread, as CUDA's); not a Python backward (a custom
+    autograd Function's)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == _ENGINE_ENTRY:
+            return True
+        code = frame.f_code
+        if code.co_name != "__torch_dispatch__" and not code.co_filename.startswith(_DISPATCHING):
+            return False
+        frame = frame.f_back
+    return True
