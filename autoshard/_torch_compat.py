@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -302,8 +303,14 @@ def is_batch_norm(module: torch.nn.Module) -> bool:
 
 
 def in_backward() -> bool:
-    """Whether this thread runs the autograd engine's backward now (a graph task)."""
-    return bool(resolve("_current_graph_task_id")() != -1)
+    """Whether this thread runs the autograd engine's backward now (a graph task). Asked for
+    every operator of a traced backward: the function is resolved once."""
+    return bool(_graph_task_id()() != -1)
+
+
+@functools.cache
+def _graph_task_id() -> Callable[[], int]:
+    return resolve("_current_graph_task_id")  # type: ignore[no-any-return]
 
 
 def cpu_has_native_bf16() -> bool:

@@ -359,8 +359,11 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     if profile is not None:
         activations += profile.activation_bytes(s.checkpointed)
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
-    # Backward holds the gradient of the largest saved activation next to the activation itself.
-    backward_temp = 2 * profile.largest_saved_bytes if profile is not None else 0
+    # Backward holds the gradient of the largest saved activation next to the activation itself,
+    # and at least as much as the trace's backward rose above where it began.
+    backward_temp = 0
+    if profile is not None:
+        backward_temp = max(2 * profile.largest_saved_bytes, profile.backward_rise_bytes)
     in_backward = _grads_in_backward(stats, s, grads)
     backward = (
         params,

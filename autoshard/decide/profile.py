@@ -86,6 +86,13 @@ class ActivationProfile:
         after_saved_bytes: bytes saved after the last block (head, loss).
         largest_saved_bytes: the largest single saved storage; its gradient is the largest
             temporary of backward.
+        backward_rise_bytes: how far the bytes the step's tensors hold rose in backward above
+            where they stood as it began (the saved activations, the output), the parameters'
+            gradients left out: the activations' gradients and the formulas' temporaries (a
+            scan's per-step gradients, say) less the saved activations freed meanwhile. A
+            figure of the whole step, not of blocks: from a shallow trace, the copy's, not
+            extended (fewer blocks free as many saved activations before backward's peak, or
+            fewer).
         block_forward_flops: forward FLOPs of each block.
         total_forward_flops: forward FLOPs of the whole model and loss.
         compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
@@ -152,6 +159,7 @@ class ActivationProfile:
     backward_kernels: int = 0
     priced_calls: tuple[PricedCall, ...] = ()
     moving_calls: tuple[MovingCall, ...] = ()
+    backward_rise_bytes: int = 0
 
     @property
     def other_saved_bytes(self) -> int:

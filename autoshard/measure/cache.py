@@ -633,6 +633,7 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         before_saved_bytes=_int(value["before_saved_bytes"]),
         after_saved_bytes=_int(value["after_saved_bytes"]),
         largest_saved_bytes=_int(value["largest_saved_bytes"]),
+        backward_rise_bytes=_int(value["backward_rise_bytes"]),
         block_forward_flops=tuple(map(_int, value["block_forward_flops"])),
         total_forward_flops=_int(value["total_forward_flops"]),
         compute_dtype=dtype,

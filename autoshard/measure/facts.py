@@ -555,7 +555,11 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         return None
     largest = max(known, key=lambda p: p.activation_bytes(0))
     unlike = next((p.unlike_blocks for p in known if p.unlike_blocks is not None), None)
-    return replace(largest, unlike_blocks=largest.unlike_blocks or unlike)
+    return replace(
+        largest,
+        unlike_blocks=largest.unlike_blocks or unlike,
+        backward_rise_bytes=max(p.backward_rise_bytes for p in known),
+    )
 
 
 def forced_checkpointing(request: Request, num_blocks: int) -> int | None:

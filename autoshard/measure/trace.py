@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autoshard._batch import (
     LossFn,
@@ -43,6 +45,7 @@ from autoshard._torch_compat import (
     TorchDispatchMode,
     flop_formulas,
     grouped_mm,
+    in_backward,
     is_batch_norm,
     op_overload,
     raw_flop_formula,
@@ -178,6 +181,11 @@ def profile_step(
     existing = {
         storage_key(t.untyped_storage()) for t in [*state.values(), *tensors_in(fake_batch)]
     }
+    made = _Made()
+    hooks = [
+        t.register_post_accumulate_grad_hook(made.gradient)
+        for t in {id(t): t for t in state.values() if t.requires_grad}.values()
+    ]
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     formulas = _FlopFormulas()
@@ -216,7 +224,8 @@ def profile_step(
             mode,
             counter,
             traffic,
-            torch.autograd.graph.saved_tensors_hooks(attribution.pack, _unpack),
+            made,
+            torch.autograd.graph.saved_tensors_hooks(_both(made.saved, attribution.pack), _unpack),
         ):
             # backward too runs on `state`: a block checkpointed with use_reentrant=True runs its
             # forward again in backward, which on the model's own parameters gave them (fake)
@@ -225,7 +234,7 @@ def profile_step(
             torch.func.functional_call(_Step(model, step), prefixed, ())
     finally:
         traffic.done()
-        for handle in handles:
+        for handle in [*handles, *hooks]:
             handle.remove()
     sizes = list(attribution.nbytes.values())
     return ActivationProfile(
@@ -234,6 +243,7 @@ def profile_step(
         before_saved_bytes=attribution.saved_by("before"),
         after_saved_bytes=attribution.saved_by("after"),
         largest_saved_bytes=max(sizes, default=0),
+        backward_rise_bytes=made.rise(),
         block_forward_flops=tuple(block_flops),
         total_forward_flops=taken["flops"],
         compute_dtype=autocast_dtype or _param_dtype(model),
@@ -308,6 +318,7 @@ def profile_scaled(
         before_saved_bytes=line(one.before_saved_bytes, two.before_saved_bytes),
         after_saved_bytes=line(one.after_saved_bytes, two.after_saved_bytes),
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
+        backward_rise_bytes=line(one.backward_rise_bytes, two.backward_rise_bytes),
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
@@ -545,11 +556,116 @@ def fake_state(
     return state, fake_batch
 
 
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _both(
+    saved: Callable[[torch.Tensor], None], pack: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def packed(tensor: torch.Tensor) -> torch.Tensor:
+        saved(tensor)
+        return pack(tensor)
+
+    return packed
+
+
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
 _UNSAFE_VIEW = op_overload("_unsafe_view")  # the reshape after a batched matmul
+
+
+class _Made(TorchDispatchMode):
+    """How far the bytes the step holds rise in backward above where they stood as it began
+    (`rise`): the storages operators make in backward (not their inputs' views or in-place
+    results), each from its making to its freeing, less the saved activations freed meanwhile
+    (`saved`), the parameters' gradients left out (`gradient`). Forward's operators pass
+    straight through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (allocation, bytes: + made, - freed)
+        self.alive: dict[int, int] = {}  # storage made in backward -> its allocation
+        self.grads: set[int] = set()  # allocations that were a parameter's gradient
+        self._sums: dict[int, tuple[int, ...]] = {}  # a sum's allocation -> its terms'
+        self._saved: set[int] = set()  # the saved activations' storages
+        self._made = itertools.count()
+        self._backward = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not in_backward():
+            return out
+        self._backward = True
+        inputs: set[int] | None = None  # their storages, found where an output needs them
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage_key(storage)
+            if key in self.alive:
+                continue
+            if inputs is None:
+                inputs = {
+                    storage_key(t.untyped_storage())
+                    for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                }
+            if key in inputs:
+                continue
+            made, size = next(self._made), storage.nbytes()
+            self.alive[key] = made
+            self.events.append((made, size))
+            weakref.finalize(storage, self._freed, key, made, size)
+            if func is _ADD:  # the engine summing a tensor's gradients, or a formula
+                self._sums[made] = tuple(
+                    self.alive[k]
+                    for t in args
+                    if isinstance(t, torch.Tensor)
+                    and (k := storage_key(t.untyped_storage())) in self.alive
+                )
+        return out
+
+    def saved(self, tensor: torch.Tensor) -> None:
+        """A tensor saved for backward (a `saved_tensors_hooks` pack hook): its storage's
+        freeing in backward counts off."""
+        storage = tensor.untyped_storage()
+        key = storage_key(storage)
+        if key not in self._saved:
+            self._saved.add(key)
+            weakref.finalize(storage, self._freed, key, next(self._made), storage.nbytes())
+
+    def gradient(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (`register_post_accumulate_grad_hook`): its
+        storage is the gradients', and so are the terms it was summed from (a parameter used
+        twice: its first gradient waits for the second)."""
+        if param.grad is None:
+            return
+        made = self.alive.get(storage_key(param.grad.untyped_storage()))
+        terms = [] if made is None else [made]
+        while terms:
+            term = terms.pop()
+            if term not in self.grads:
+                self.grads.add(term)
+                terms.extend(self._sums.get(term, ()))
+
+    def _freed(self, key: int, made: int, size: int) -> None:
+        if self.alive.get(key) == made:
+            del self.alive[key]
+        self._saved.discard(key)
+        if self._backward:
+            self.events.append((made, -size))
+
+    def rise(self) -> int:
+        """How far the bytes held rose in backward, from where they stood as it began."""
+        held = peak = 0
+        for made, size in self.events:
+            if made not in self.grads:
+                held += size
+                peak = max(peak, held)
+        return peak
 
 
 class _Traffic(TorchDispatchMode):

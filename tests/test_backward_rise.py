@@ -1,0 +1,82 @@
+"""What the trace's backward holds beyond the saved activations (`ActivationProfile.
+backward_rise_bytes`), which the formulas count as backward's temporaries
+where no simulation stands for a candidate: a recurrence written as a Python loop (Mamba's slow
+path) sums the gradients of its per-step slices in backward, many times its largest saved
+activation, and the formulas' two largest-activation gradients fell under the real peak."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from _dist import REPO
+from torch import nn
+
+from autoshard.decide.blocks import blocks_and_notes
+from autoshard.measure import simulate
+from autoshard.measure.facts import measure
+
+sys.path.insert(0, str(REPO / "tests"))
+from test_workspace import _real_and_simulated  # noqa: E402
+
+
+class _ScanBlock(nn.Module):
+    """A gated recurrence over the sequence, one step at a time, its states stacked."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.inp(x))
+        state = torch.zeros_like(gate[:, 0])
+        states = []
+        for step in range(gate.shape[1]):
+            state = gate[:, step] * state + gate[:, step]
+            states.append(state)
+        return x + torch.stack(states, 1)
+
+
+class _Scans(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ScanBlock(64) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+BATCH = (16, 32, 64)
+
+
+def _build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Scans()
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_the_trace_measures_how_far_backward_rises() -> None:
+    model, _ = _build()
+    blocks, _ = blocks_and_notes(model)
+    batch = torch.randn(BATCH)
+    profile = measure(model, [b for _, b in blocks], batch, lambda out, batch: out, None).profile
+    assert profile is not None
+    # each step's slice of the gate gets a gradient of the whole gate's size, summed in backward
+    assert profile.backward_rise_bytes > 2 * profile.largest_saved_bytes, profile
+
+
+def test_the_formulas_bound_the_real_peak_of_a_recurrence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No simulation: the formulas alone, against the allocator's peak of real steps. Before,
+    they counted two gradients of the largest saved activation and read 8% under it."""
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no simulation: the formulas stand for it")
+
+    monkeypatch.setattr(simulate, "simulate", refused)
+    real, formula = _real_and_simulated(_build, torch.randn(BATCH))
+    assert real <= formula, (formula, real)
