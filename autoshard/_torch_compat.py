@@ -156,7 +156,7 @@ SYMBOLS: dict[str, Symbol] = {
     ),
     "_current_graph_task_id": Symbol(
         "torch._C:_current_graph_task_id",
-        "backward formulas' plain-tensor branches in the simulation (measure.branches)",
+        "backward formulas' plain-tensor branches, simulated and in the trial (wrap.branches)",
     ),
     # Not in torch.utils.flop_counter's __all__. Graceful where absent: torch's formulas count
     # unguarded (a formula that raises then fails the trace, as before issue 22).

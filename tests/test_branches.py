@@ -1,4 +1,5 @@
-"""Backward formulas' plain-tensor branches in the simulation (`autoshard.measure.branches`):
+"""Backward formulas' plain-tensor branches (`autoshard.wrap.branches`), in the simulation and in
+the CPU trial step:
 `index_select`'s, `gather`'s and advanced indexing's backward add the gradient into zeros in
 place for plain tensors, out of place for a tensor subclass such as a fake tensor; the
 simulation now takes the plain branch, and nothing else is run in place."""
@@ -15,7 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.measure.branches import PlainBranches
+from autoshard.wrap.branches import PlainBranches
 
 sys.path.insert(0, str(REPO / "tests"))
 from test_estimate_accuracy import WORST_TARGET  # noqa: E402

@@ -21,11 +21,11 @@ from autoshard._torch_compat import (
     tree_leaves,
 )
 from autoshard.decide.estimate import Phase
-from autoshard.measure.branches import PlainBranches
 from autoshard.measure.rng import states_counted
 from autoshard.measure.workspace import Workspace
 from autoshard.strategies.recipes import recipe
 from autoshard.strategies.strategy import Strategy
+from autoshard.wrap.branches import PlainBranches
 
 if TYPE_CHECKING:
     from autoshard.measure.simulate import Setup

@@ -38,6 +38,7 @@ from autoshard.decide.plan import Attempt, Candidate, Outcome
 from autoshard.strategies.recipes import Engine, recipe
 from autoshard.strategies.strategy import Strategy
 from autoshard.wrap.apply import Wrapping, apply, ddp, gradient_sync
+from autoshard.wrap.branches import PlainBranches
 from autoshard.wrap.meter import (
     LiveBytes,
     caller_peak_kept,
@@ -141,7 +142,8 @@ def _peak_meter(
         return
     meter = LiveBytes(held_tensors(wrapping.module, optimizer))
     try:
-        with meter:
+        # above the meter, whose mode would make backward formulas copy as for a subclass
+        with meter, PlainBranches():
             yield lambda: None
     finally:
         box[0] = meter.peak

@@ -1,4 +1,4 @@
-"""Backward formulas' plain-tensor branches, taken in the simulation too.
+"""Backward formulas' plain-tensor branches, taken in the simulation and the CPU trial too.
 
 Some of torch's backward formulas branch on whether a tensor is a subclass (composite
 compliance), and fake tensors are one: `index_select`'s backward (`index_select_backward`),
@@ -9,6 +9,12 @@ tensor of the input's size beside the zeros that the real step does not hold (on
 overestimate), and never ran the in-place kernel, whose fp32 buffers in bf16 on CPU the workspace
 probe counts (`workspace.ACCUMULATIONS`): XLNet's relative shift (`index_select` over the last
 dimension) checkpointed under FSDP2 bf16 read 4.1% under the allocator's peak on CPU.
+
+A Python dispatch mode makes real tensors take the subclass branch too (`isTensorSubclassLike`
+holds for every tensor while one is active): the CPU trial step's meter (`meter.LiveBytes`) made
+the real step hold the copy that training without the meter does not (a model selecting its
+logits with a boolean mask measured 1.9% above its steady steps), so the trial runs under
+`PlainBranches` as well.
 
 `PlainBranches` runs such an out-of-place call in place where the formula's zeros are its
 destination: in backward (a graph task, grad mode off, as the engine runs formulas), made by
