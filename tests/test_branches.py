@@ -16,7 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.wrap.branches import PlainBranches
+from autoshard.wrap.branches import IN_PLACE, PlainBranches
 
 sys.path.insert(0, str(REPO / "tests"))
 from test_estimate_accuracy import WORST_TARGET  # noqa: E402
@@ -25,8 +25,9 @@ from test_workspace import _real_and_simulated  # noqa: E402
 
 class _Picks(nn.Module):
     """Every eighth column of a wide projection, picked as XLNet's relative shift picks
-    (`index_select`), as `gather` or as advanced indexing does: each backward adds the gradient
-    into zeros of the projection's size, the largest tensor of the step."""
+    (`index_select`), as `gather`, advanced indexing or `masked_select` does: each backward adds
+    or scatters the gradient into zeros of the projection's size, the largest tensor of the
+    step."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -40,6 +41,10 @@ class _Picks(nn.Module):
             picked = h.index_select(-1, columns)
         elif self.how == "gather":
             picked = h.gather(-1, columns.expand(h.shape[0], -1))
+        elif self.how == "masked_select":
+            keep = torch.zeros(h.shape[-1], dtype=torch.bool, device=x.device)
+            keep[columns] = True
+            picked = h.masked_select(keep.expand_as(h)).view(h.shape[0], -1)
         else:
             picked = h[:, columns]
         return picked.square().mean()
@@ -69,7 +74,7 @@ class _Calls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         result = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.index_add.default:
+        if func in IN_PLACE:
             self.in_place.append(result is args[0])
         return result
 
@@ -83,6 +88,25 @@ def test_index_select_s_formula_adds_into_its_zeros_in_place() -> None:
         x = torch.randn(4, 8, requires_grad=True)
         x.index_select(-1, torch.tensor([0, 2, 4])).sum().backward()
     assert calls.in_place == [False]
+
+
+@pytest.mark.parametrize("how", ["index_select", "gather", "index", "masked_select"])
+def test_real_tensors_under_a_mode_take_the_plain_branch_again(how: str) -> None:
+    """Under a dispatch mode (the CPU trial's meter) every real tensor counts as a subclass, and
+    the formula copies: run in place again, with the same gradient."""
+    torch.manual_seed(0)
+    model = _Picks(how)
+    x = torch.randn(8, 16)
+    model(x).backward()
+    expected = model.inp.weight.grad
+    model.zero_grad()
+    with PlainBranches(), _Calls() as calls:
+        model(x).backward()
+    assert calls.in_place == [True], calls.in_place
+    assert torch.equal(model.inp.weight.grad, expected)
+    with _Calls() as calls:  # without it, the mode alone
+        model(x).backward()
+    assert calls.in_place == [False], calls.in_place
 
 
 class _Formula(torch.autograd.Function):

@@ -2,9 +2,10 @@
 
 Some of torch's backward formulas branch on whether a tensor is a subclass (composite
 compliance), and fake tensors are one: `index_select`'s backward (`index_select_backward`),
-`gather`'s (`gather_backward`) and advanced indexing's (`index_backward`) make a tensor of zeros
-the input's size and add the gradient into it, in place for plain tensors (`index_add_`,
-`scatter_add_`, `_index_put_impl_`), out of place for a subclass. So the simulation held a second
+`gather`'s (`gather_backward`), advanced indexing's (`index_backward`) and `masked_select`'s
+(`masked_select_backward`) make a tensor of zeros the input's size and add or scatter the
+gradient into it, in place for plain tensors (`index_add_`, `scatter_add_`, `_index_put_impl_`,
+`masked_scatter_`), out of place for a subclass. So the simulation held a second
 tensor of the input's size beside the zeros that the real step does not hold (on CUDA an
 overestimate), and never ran the in-place kernel, whose fp32 buffers in bf16 on CPU the workspace
 probe counts (`workspace.ACCUMULATIONS`): XLNet's relative shift (`index_select` over the last
@@ -42,6 +43,7 @@ IN_PLACE = {
     aten.index_add.default: aten.index_add_.default,
     aten.scatter_add.default: aten.scatter_add_.default,
     aten.index_put.default: aten.index_put_.default,
+    aten.masked_scatter.default: aten.masked_scatter_.default,
 }
 ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
 
