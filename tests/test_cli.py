@@ -82,6 +82,7 @@ PLAN_KEYS = {
     "attempts",
     "unused_parameters",
     "layer_drop",
+    "autocast_raises",
     "reasons",
 }
 CANDIDATE_KEYS = {

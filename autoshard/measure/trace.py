@@ -559,6 +559,16 @@ def fake_state(
 _ADD = torch.ops.aten.add.Tensor
 
 
+def _stored(tensor: Any) -> bool:
+    """Whether `tensor` is a plain strided tensor with a storage of its own to follow (not a
+    sparse gradient, whose storage torch refuses, nor a DTensor)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not isinstance(tensor, DTensor)
+        and tensor.layout is torch.strided
+    )
+
+
 def _both(
     saved: Callable[[torch.Tensor], None], pack: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -601,7 +611,7 @@ class _Made(TorchDispatchMode):
         self._backward = True
         inputs: set[int] | None = None  # their storages, found where an output needs them
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+            if not _stored(tensor):
                 continue
             storage = tensor.untyped_storage()
             key = storage_key(storage)
@@ -611,7 +621,7 @@ class _Made(TorchDispatchMode):
                 inputs = {
                     storage_key(t.untyped_storage())
                     for t in tree_leaves((args, kwargs))
-                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                    if _stored(t)
                 }
             if key in inputs:
                 continue
@@ -623,14 +633,15 @@ class _Made(TorchDispatchMode):
                 self._sums[made] = tuple(
                     self.alive[k]
                     for t in args
-                    if isinstance(t, torch.Tensor)
-                    and (k := storage_key(t.untyped_storage())) in self.alive
+                    if _stored(t) and (k := storage_key(t.untyped_storage())) in self.alive
                 )
         return out
 
     def saved(self, tensor: torch.Tensor) -> None:
         """A tensor saved for backward (a `saved_tensors_hooks` pack hook): its storage's
         freeing in backward counts off."""
+        if not _stored(tensor):
+            return
         storage = tensor.untyped_storage()
         key = storage_key(storage)
         if key not in self._saved:
@@ -641,9 +652,10 @@ class _Made(TorchDispatchMode):
         """A parameter's gradient was accumulated (`register_post_accumulate_grad_hook`): its
         storage is the gradients', and so are the terms it was summed from (a parameter used
         twice: its first gradient waits for the second)."""
-        if param.grad is None:
+        grad = param.grad
+        if grad is None or not _stored(grad):
             return
-        made = self.alive.get(storage_key(param.grad.untyped_storage()))
+        made = self.alive.get(storage_key(grad.untyped_storage()))
         terms = [] if made is None else [made]
         while terms:
             term = terms.pop()
