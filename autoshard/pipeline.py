@@ -52,7 +52,9 @@ from autoshard.io.data import check_dataloader
 from autoshard.measure.cublas import cublas_workspaces, with_cublas
 from autoshard.measure.device import device_throughput, with_device
 from autoshard.measure.facts import (
+    autocast_raises,
     blocks_reason,
+    fails_cast_too,
     forced_checkpointing,
     measure,
     plan_inputs,
@@ -220,22 +222,14 @@ def gather(call: Call, target: Target) -> _Gathered:
         # The forward raises under autocast and runs without it: LOCAL and DDP, which compute
         # under autocast, cannot train it in this precision; FSDP2's cast parameters may. Where
         # they cannot either, or this job cannot use FSDP2, "auto" turns mixed precision off.
-        cast = _cast_instead(target, model, optimizer, request, autocast_raises(mp, raised))
+        cast = _cast_instead(target, model, optimizer, request, autocast_raises(mp.dtype, raised))
         if cast is not None:
             by_cast = measure(model, traced, batch, call.loss_fn, mp.dtype, names, traced_on, True)
             if by_cast.profile is not None:
                 measured = replace(by_cast, under_autocast=raised)
                 reasons.append(cast)
             elif request.mixed_precision is not None:
-                name = str(mp.dtype).removeprefix("torch.")
-                raise ValueError(
-                    f"the model's forward raises under autocast to {name} ({raised}), and runs "
-                    f"without it, but the step with its parameters cast to {name}, as FSDP2 "
-                    f"computes it without autocast, could not be run on fake tensors either "
-                    f"({by_cast.trace_note}): an operator of the model mixes dtypes (an in-place "
-                    f"one between an fp32 tensor and a {name} one, say). Pass "
-                    f"mixed_precision='no', or cast where the model mixes them"
-                )
+                raise ValueError(fails_cast_too(mp.dtype, raised, by_cast.trace_note))
         if measured.profile is None:  # "auto", no FSDP2's cast parameters: traced without
             off = precision_off(mp, measured)
             assert off is not None
@@ -270,13 +264,6 @@ def gather(call: Call, target: Target) -> _Gathered:
     reasons = [*(world.reasons if in_job else ()), *reasons, blocks_reason(model, names)]
     meta = () if meta_note is None else (meta_note,)
     return _Gathered(report, work, blocks, mp, [*reasons, *block_notes], meta)
-
-
-def autocast_raises(mp: Precision, raised: str) -> str:
-    """What a forward raised under autocast to `mp`'s dtype (`Measured.under_autocast`), as
-    `Job.autocast_raises` says it."""
-    name = str(mp.dtype).removeprefix("torch.")
-    return f"the model's forward raises under autocast to {name} ({raised})"
 
 
 def _cast_instead(
@@ -380,7 +367,7 @@ def _simulated(
     inputs = with_device(with_host(inputs, reports), reports)
     raised = next((r.measured.under_autocast for r in reports if r.measured.under_autocast), None)
     mp = gathered.mixed_precision
-    autocast = None if raised is None or mp.dtype is None else autocast_raises(mp, raised)
+    autocast = None if raised is None or mp.dtype is None else autocast_raises(mp.dtype, raised)
     job = _job(target, num_nodes, drop, unshardable, autocast)
     inputs = replace(inputs, unshardable=never_sharded(job))
     available_ = available(job)

@@ -410,13 +410,36 @@ def _does_not_fit(error: Exception, batch: Any) -> str:
 
 
 def _fails_under_autocast(error: Exception, dtype: torch.dtype | None) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = _name(dtype)
     return (
         f"the model's forward raises under autocast to {name} ({_first_line(error)}), and runs "
         f"without it: an operator of the model mixes dtypes autocast leaves apart (an in-place "
         f"one between an fp32 tensor and a {name} one, say). Pass mixed_precision='no', or cast "
         f"where the model mixes them"
     )
+
+
+def autocast_raises(dtype: torch.dtype, raised: str) -> str:
+    """What a forward raised under autocast to `dtype` (`Measured.under_autocast`), as
+    `Job.autocast_raises` says it."""
+    return f"the model's forward raises under autocast to {_name(dtype)} ({raised})"
+
+
+def fails_cast_too(dtype: torch.dtype, raised: str, cast_note: str) -> str:
+    """The error for mixed precision asked for where the forward raises under autocast (`raised`)
+    and the step with cast parameters could not run either (`cast_note`, the cast trace's)."""
+    name = _name(dtype)
+    return (
+        f"{autocast_raises(dtype, raised)}, and runs without it, but the step with its "
+        f"parameters cast to {name}, as FSDP2 computes it without autocast, could not be run on "
+        f"fake tensors either ({cast_note}): an operator of the model mixes dtypes (an in-place "
+        f"one between an fp32 tensor and a {name} one, say). Pass mixed_precision='no', or cast "
+        f"where the model mixes them"
+    )
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _measured_for_real(
