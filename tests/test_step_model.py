@@ -1,6 +1,6 @@
 """The modelled step's compute (issue 26): FLOP-bound operators, memory-bound ones, the optimizer
 step's traffic and the operators' launches (`decide.cost.compute_seconds`), and the figures the
-trace counts for it (`measure.trace._Traffic`) and the optimizer's (`decide.optimizer`)."""
+trace counts for it (`measure.traffic.Traffic`) and the optimizer's (`decide.optimizer`)."""
 
 from __future__ import annotations
 

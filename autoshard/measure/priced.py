@@ -1,5 +1,5 @@
 """The forward's FLOP-bound operators and the step's memory-bound ones as the trace meets them
-(`trace._Traffic`), one record per distinct call, written so that `measure.rates` can run each
+(`traffic.Traffic`), one record per distinct call, written so that `measure.rates` can run each
 again on the device: the operator's name and its arguments, tensors by shape, strides, dtype and
 whether they require a gradient, dtypes, layouts and memory formats by name, devices by type.
 
@@ -101,7 +101,7 @@ class PricedCalls:
 class MovingCalls:
     """The memory-bound calls met so far, forward and backward, by operator and arguments (each
     tensor written as needing no gradient: a call runs again alone, as it was dispatched): the
-    bytes each moves, and where it ran: as the trace's bytes are counted (`trace._Traffic`), a
+    bytes each moves, and where it ran: as the trace's bytes are counted (`traffic.Traffic`), a
     call the forward makes outside the blocks is the next block's (the parent's work between
     blocks runs once a block; before the first, the embedding's), after the last the model's
     own."""

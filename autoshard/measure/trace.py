@@ -9,11 +9,13 @@ What is measured:
   hooks, storages deduplicated), and each block's input bytes: with these the activation memory of
   any number of checkpointed blocks is derived without tracing again;
 - forward FLOPs per block (`FlopCounterMode`), the compute term of the cost model and the price of
-  recomputing a checkpointed block. No FLOP formula can abort the trace (`_FlopFormulas`): the
+  recomputing a checkpointed block. No FLOP formula can abort the trace (`flops.FlopFormulas`): the
   activations matter more than the count;
 - the bytes read and written by the operators without a FLOP formula, and the operators run
-  (`_Traffic`), per block and whole, forward and backward: the memory-bound and the launch-bound
-  parts of the modelled step;
+  (`traffic.Traffic`), per block and whole, forward and backward: the memory-bound and the
+  launch-bound parts of the modelled step;
+- how far backward rises above where it began (`rise.BackwardRise`), for the formulas'
+  temporaries;
 - the forward's FLOP-bound calls, each with its arguments' shapes and where it ran
   (`measure.priced`): what `measure.rates` runs again on the device for the model's own FLOP/s.
 """
@@ -21,8 +23,6 @@ What is measured:
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autoshard._batch import (
     LossFn,
@@ -41,23 +40,14 @@ from autoshard._batch import (
     split_batch,
     tensors_in,
 )
-from autoshard._torch_compat import (
-    TorchDispatchMode,
-    flop_formulas,
-    grouped_mm,
-    in_backward,
-    is_batch_norm,
-    op_overload,
-    raw_flop_formula,
-    sdpa_flop_ops,
-    storage_key,
-    tree_leaves,
-    tree_map,
-)
+from autoshard._torch_compat import is_batch_norm, storage_key, tree_map
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed, found_together
 from autoshard.measure.fake import batch_value, fake_mode, fake_tensor, wider_fake_kernels
-from autoshard.measure.priced import MovingCalls, PricedCalls, moving_order, order
+from autoshard.measure.flops import FlopFormulas
+from autoshard.measure.priced import moving_order, order
+from autoshard.measure.rise import BackwardRise
+from autoshard.measure.traffic import Traffic
 from autoshard.wrap.snapshot import attributes_kept
 
 logger = logging.getLogger("autoshard")
@@ -181,18 +171,18 @@ def profile_step(
     existing = {
         storage_key(t.untyped_storage()) for t in [*state.values(), *tensors_in(fake_batch)]
     }
-    made = _Made()
+    made = BackwardRise()
     hooks = [
         t.register_post_accumulate_grad_hook(made.gradient)
         for t in {id(t): t for t in state.values() if t.requires_grad}.values()
     ]
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
-    formulas = _FlopFormulas()
+    formulas = FlopFormulas()
     priced = formulas.mapping()
     counter = FlopCounterMode(display=False, custom_mapping=priced)
     counter.mod_tracker = _TotalsOnly()  # type: ignore[assignment]
-    traffic = _Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
+    traffic = Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model, None if real else device)
     autocast = autocast_for(device_type, None if cast else autocast_dtype)
@@ -336,135 +326,18 @@ def profile_scaled(
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
 
 
-class _FlopFormulas:
-    """torch's FLOP formulas, made unable to abort the trace (issue 22). Where torch's formula
-    for an operator raises (torch 2.11 on grouped-query attention: "sdpa_flop_count:
-    query/key/value shapes are incompatible", fixed in 2.12), autoshard's own formula for that
-    operator counts it; where autoshard has none, it counts 0 and is named in `uncounted`."""
+def _both(
+    saved: Callable[[torch.Tensor], None], pack: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def packed(tensor: torch.Tensor) -> torch.Tensor:
+        saved(tensor)
+        return pack(tensor)
 
-    def __init__(self) -> None:
-        self.sdpa = sdpa_flop_ops()  # operator -> is a backward
-        self.by_own: set[str] = set()
-        self.uncounted: set[str] = set()
-
-    def mapping(self) -> dict[Any, Callable[..., int]]:
-        """`FlopCounterMode`'s custom_mapping: every operator torch counts, guarded, and those
-        torch has no formula for and autoshard has: fused attention's CPU kernel (before torch
-        2.15) and `_grouped_mm` (a mixture of experts' expert matmuls). Without them their
-        FLOPs counted 0, silently, and their bytes as memory traffic."""
-        mapping = {op: self._guarded(op, formula) for op, formula in flop_formulas().items()}
-        own: dict[Any, Callable[[tuple[Any, ...]], int | None]] = {
-            op: functools.partial(_own_sdpa_flops, backward=backward)
-            for op, backward in self.sdpa.items()
-        }
-        grouped = grouped_mm()
-        if grouped is not None:
-            own[grouped.overloadpacket] = _grouped_mm_flops
-        for op, formula in own.items():
-            if op not in mapping:
-                mapping[op] = self._own(op, formula)
-        return mapping
-
-    def _own(self, op: Any, formula: Callable[[tuple[Any, ...]], int | None]) -> Callable[..., int]:
-        def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-            flops = formula(args)
-            if flops is None:
-                self.uncounted.add(str(op))
-                return 0
-            return flops
-
-        return raw_flop_formula(count)
-
-    def _guarded(self, op: Any, formula: Callable[..., int]) -> Callable[..., int]:
-        def count(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-            try:
-                return formula(*args, out_val=out_val, **kwargs)
-            except Exception:  # noqa: BLE001 - a formula's failure costs its count, not the trace
-                return self._fallback(op, args)
-
-        return raw_flop_formula(count)
-
-    def _fallback(self, op: Any, args: tuple[Any, ...]) -> int:
-        backward = self.sdpa.get(op)
-        flops = None if backward is None else _own_sdpa_flops(args, backward)
-        if flops is None:
-            self.uncounted.add(str(op))
-            return 0
-        self.by_own.add(str(op))
-        return flops
+    return packed
 
 
-def _grouped_mm_flops(args: tuple[Any, ...]) -> int | None:
-    """`_grouped_mm(a, b, offs)`: 2 FLOPs per multiply-add over the groups, every row of `a`
-    counted (a group's rows are where `offs` puts them). a (M, K) with b (G, K, N): the experts'
-    forward; a (G, M, K) with b (G, K, N): batched; a (G, M, K) with b (K, N) and a (M, K) with
-    b (K, N), the groups along N or K: their gradients. None where the shapes are not these."""
-    try:
-        a, b = args[0].shape, args[1].shape
-    except (AttributeError, IndexError):
-        return None
-    if len(a) == 2 and len(b) in (2, 3):
-        return 2 * a[0] * a[1] * b[-1]
-    if len(a) == 3 and len(b) == 3:
-        return 2 * a[0] * a[1] * a[2] * b[-1]
-    if len(a) == 3 and len(b) == 2:
-        return 2 * a[1] * a[2] * b[-1]
-    return None
-
-
-def _own_sdpa_flops(args: tuple[Any, ...], backward: bool) -> int | None:
-    """autoshard's count for a fused attention operator's arguments ((grad_out,) query, key,
-    value first), None where they are not the dense 4-d tensors it knows (nested ones)."""
-    try:
-        shapes = [tuple(t.shape) for t in args[: 4 if backward else 3]]
-        return sdpa_backward_flops(*shapes) if backward else sdpa_flops(*shapes)
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def sdpa_flops(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
-    """Forward FLOPs of fused attention on (batch, heads, length, dim) shapes, as torch >= 2.12
-    counts them (`torch.utils.flop_counter.sdpa_flop_count`): scores = q @ k^T, then
-    out = scores @ v, 2 FLOPs per multiply-add, key/value heads broadcast to the query's
-    (grouped-query attention); a causal mask is not discounted."""
-    batch, heads, q_len, dim = _attention_shape(query, key, value)
-    k_len, v_dim = key[2], value[3]
-    return 2 * batch * heads * q_len * k_len * (dim + v_dim)
-
-
-def sdpa_backward_flops(
-    grad_out: tuple[int, ...],
-    query: tuple[int, ...],
-    key: tuple[int, ...],
-    value: tuple[int, ...],
-) -> int:
-    """Backward FLOPs of fused attention, as torch >= 2.12 counts them
-    (`sdpa_backward_flop_count`): scores recomputed (q @ k^T), grad_scores = grad_out @ v^T,
-    grad_v = scores^T @ grad_out, grad_q = grad_scores @ k, grad_k = q^T @ grad_scores; with
-    key/value heads broadcast to the query's."""
-    batch, heads, q_len, dim = _attention_shape(query, key, value)
-    k_len, v_dim = key[2], value[3]
-    if tuple(grad_out) != (batch, heads, q_len, v_dim):
-        raise ValueError(f"attention grad_out {grad_out} is not the output's shape")
-    return 2 * batch * heads * q_len * k_len * (3 * dim + 2 * v_dim)
-
-
-def _attention_shape(
-    query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]
-) -> tuple[int, int, int, int]:
-    """The query's (batch, heads, length, dim), once key and value fit it: same batch, key/value
-    heads dividing the query's, key and value of one length, query and key of one dim."""
-    batch, heads, q_len, dim = query
-    fits = (
-        key[0] == value[0] == batch
-        and key[1] == value[1]
-        and heads % key[1] == 0
-        and key[2] == value[2]
-        and key[3] == dim
-    )
-    if not fits:
-        raise ValueError(f"attention shapes q={query}, k={key}, v={value} do not fit")
-    return batch, heads, q_len, dim
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _Step(nn.Module):
@@ -556,255 +429,12 @@ def fake_state(
     return state, fake_batch
 
 
-_ADD = torch.ops.aten.add.Tensor
-
-
-def _stored(tensor: Any) -> bool:
-    """Whether `tensor` is a plain strided tensor with a storage of its own to follow (not a
-    sparse gradient, whose storage torch refuses, nor a DTensor)."""
-    return (
-        isinstance(tensor, torch.Tensor)
-        and not isinstance(tensor, DTensor)
-        and tensor.layout is torch.strided
-    )
-
-
-def _both(
-    saved: Callable[[torch.Tensor], None], pack: Callable[[torch.Tensor], torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    def packed(tensor: torch.Tensor) -> torch.Tensor:
-        saved(tensor)
-        return pack(tensor)
-
-    return packed
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-_UNSAFE_VIEW = op_overload("_unsafe_view")  # the reshape after a batched matmul
-
-
-class _Made(TorchDispatchMode):
-    """How far the bytes the step holds rise in backward above where they stood as it began
-    (`rise`): the storages operators make in backward (not their inputs' views or in-place
-    results), each from its making to its freeing, less the saved activations freed meanwhile
-    (`saved`), the parameters' gradients left out (`gradient`). Forward's operators pass
-    straight through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[int, int]] = []  # (allocation, bytes: + made, - freed)
-        self.alive: dict[int, int] = {}  # storage made in backward -> its allocation
-        self.grads: set[int] = set()  # allocations that were a parameter's gradient
-        self._sums: dict[int, tuple[int, ...]] = {}  # a sum's allocation -> its terms'
-        self._saved: set[int] = set()  # the saved activations' storages
-        self._made = itertools.count()
-        self._backward = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not in_backward():
-            return out
-        self._backward = True
-        inputs: set[int] | None = None  # their storages, found where an output needs them
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if not _stored(tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage_key(storage)
-            if key in self.alive:
-                continue
-            if inputs is None:
-                inputs = {
-                    storage_key(t.untyped_storage())
-                    for t in tree_leaves((args, kwargs))
-                    if _stored(t)
-                }
-            if key in inputs:
-                continue
-            made, size = next(self._made), storage.nbytes()
-            self.alive[key] = made
-            self.events.append((made, size))
-            weakref.finalize(storage, self._freed, key, made, size)
-            if func is _ADD:  # the engine summing a tensor's gradients, or a formula
-                self._sums[made] = tuple(
-                    self.alive[k]
-                    for t in args
-                    if _stored(t) and (k := storage_key(t.untyped_storage())) in self.alive
-                )
-        return out
-
-    def saved(self, tensor: torch.Tensor) -> None:
-        """A tensor saved for backward (a `saved_tensors_hooks` pack hook): its storage's
-        freeing in backward counts off."""
-        if not _stored(tensor):
-            return
-        storage = tensor.untyped_storage()
-        key = storage_key(storage)
-        if key not in self._saved:
-            self._saved.add(key)
-            weakref.finalize(storage, self._freed, key, next(self._made), storage.nbytes())
-
-    def gradient(self, param: torch.Tensor) -> None:
-        """A parameter's gradient was accumulated (`register_post_accumulate_grad_hook`): its
-        storage is the gradients', and so are the terms it was summed from (a parameter used
-        twice: its first gradient waits for the second)."""
-        grad = param.grad
-        if grad is None or not _stored(grad):
-            return
-        made = self.alive.get(storage_key(grad.untyped_storage()))
-        terms = [] if made is None else [made]
-        while terms:
-            term = terms.pop()
-            if term not in self.grads:
-                self.grads.add(term)
-                terms.extend(self._sums.get(term, ()))
-
-    def _freed(self, key: int, made: int, size: int) -> None:
-        if self.alive.get(key) == made:
-            del self.alive[key]
-        self._saved.discard(key)
-        if self._backward:
-            self.events.append((made, -size))
-
-    def rise(self) -> int:
-        """How far the bytes held rose in backward, from where they stood as it began."""
-        held = peak = 0
-        for made, size in self.events:
-            if made not in self.grads:
-                held += size
-                peak = max(peak, held)
-        return peak
-
-
-class _Traffic(TorchDispatchMode):
-    """Counts the operators run (kernels: views, which move nothing, left out) and the bytes
-    read and written by those without a FLOP formula (`_FlopFormulas`: matmuls, convolutions,
-    attention, which the FLOP count prices), each tensor at most its storage (a broadcast
-    operand is read once, not per element it stands for).
-
-    In all, and per block, so that a depth extension counts what the parent runs between blocks
-    as often as there are blocks: in forward, a block's figures run from the previous block's
-    end (the model's start, for the first) to its own; in backward, from where autograd reaches
-    the block's outputs to where it reaches another block's (the first block's take in what
-    follows it: the embedding's backward, which its forward figures hold too). The head and the
-    loss, after the last block, are the model's own.
-
-    The forward's FLOP-bound operators are also recorded, one per distinct call, with their
-    FLOPs (`flops`: the FLOP counter's total, which counts each before this mode returns) and
-    the block they ran in (`priced_calls`), and every memory-bound call, forward and backward,
-    with the bytes it moves (`moving_calls`): what `measure.rates` times on the device."""
-
-    # no data moved: metadata, allocations, and views torch does not mark as such (the
-    # reshape after a batched matmul, in-place views)
-    _FREE = frozenset(
-        {
-            torch.ops.prim.device,
-            torch.ops.aten.lift_fresh,
-            *([] if _UNSAFE_VIEW is None else [_UNSAFE_VIEW.overloadpacket]),
-            torch.ops.aten.unsqueeze_,
-            torch.ops.aten.squeeze_,
-            torch.ops.aten.t_,
-            torch.ops.aten.transpose_,
-            torch.ops.aten.as_strided_,
-            torch.ops.aten.empty,
-            torch.ops.aten.empty_strided,
-            torch.ops.aten.new_empty,
-            torch.ops.aten.new_empty_strided,
-            torch.ops.aten.empty_like,
-        }
-    )
-
-    def __init__(
-        self, n_blocks: int, priced: frozenset[Any], flops: Callable[[], int] | None = None
-    ) -> None:
-        super().__init__()
-        self.priced = priced  # operators (packets) the FLOP count prices
-        self.flops = flops
-        self.priced_calls = PricedCalls(n_blocks)
-        self.moving_calls = MovingCalls(n_blocks)
-        self.in_forward = True
-        self.block: int | None = None  # the block whose forward runs now
-        self.bytes = 0
-        self.kernels = 0
-        self.block_bytes = [0] * n_blocks
-        self.block_kernels = [0] * n_blocks
-        self.backward_bytes = [0] * n_blocks
-        self.backward_kernels = [0] * n_blocks
-        self.since = (0, 0)  # the figures where the last block ended
-        self.backward_in: int | None = None  # the block whose backward runs now
-        self.marked: set[Any] = set()  # autograd nodes that start a block's backward
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        counted = self.flops if self.in_forward and packet in self.priced else None
-        before = 0 if counted is None else counted()
-        out = func(*args, **kwargs)
-        if counted is not None:
-            flops, grad = counted() - before, torch.is_grad_enabled()
-            self.priced_calls.record(func, args, kwargs, flops, self.block, grad)
-        elif self.backward_in is not None and packet in self.priced:
-            # in a block's backward, its forward may run again (`priced.PricedCalls`)
-            self.priced_calls.recomputed(func, args, kwargs, self.backward_in)
-        if func.is_view or packet in self._FREE:
-            return out
-        moved = 0
-        if packet not in self.priced:
-            moved = sum(
-                min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                for t in tree_leaves((args, kwargs, out))
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided
-            )  # a sparse gradient (Embedding(sparse=True)) has no storage: left out
-        if moved:
-            block = self.block if self.in_forward else self.backward_in
-            self.moving_calls.record(func, args, kwargs, moved, block, self.in_forward)
-        self.kernels += 1
-        self.bytes += moved
-        if self.backward_in is not None:
-            self.backward_kernels[self.backward_in] += 1
-            self.backward_bytes[self.backward_in] += moved
-        return out
-
-    def enter(self, index: int) -> None:
-        self.block = index
-        self.moving_calls.entered(index)
-        # from the previous block's end to its own, for each call of a block run more than once
-        self.block_bytes[index] -= self.since[0]
-        self.block_kernels[index] -= self.since[1]
-
-    def leave(self, index: int, outputs: Any) -> None:
-        self.block_bytes[index] += self.bytes
-        self.block_kernels[index] += self.kernels
-        self.since = (self.bytes, self.kernels)
-        self.block = None
-        self.mark(index, outputs)
-
-    def mark(self, index: int, outputs: Any) -> None:
-        """Autograd reaching `outputs` starts block `index`'s backward."""
-        for tensor in tensors_in(outputs):
-            node = tensor.grad_fn
-            if node is not None and node not in self.marked:
-                self.marked.add(node)
-                node.register_prehook(lambda grads, index=index: self._backward_of(index))
-
-    def _backward_of(self, index: int) -> None:
-        self.backward_in = index
-
-    def done(self) -> None:
-        self.marked.clear()
-        self.backward_in = None
-
-
 def _attribution_hooks(
     blocks: list[nn.Module],
     attribution: _Attribution,
     counter: Any,
     block_flops: list[int],
-    traffic: _Traffic,
+    traffic: Traffic,
 ) -> list[Any]:
     handles = []
     for index, block in enumerate(blocks):
