@@ -47,6 +47,7 @@ from autoshard.decide.cost import step_seconds
 from autoshard.decide.hardware import Throughput, hardware_for
 from autoshard.decide.plan import PlanInputs
 from autoshard.wrap.apply import apply, start
+from autoshard.wrap.branches import PlainBranches
 from autoshard.wrap.meter import LiveBytes, held_tensors
 
 # The estimator's targets (issue 22): per row within [UNDER_TARGET, WORST_TARGET], and over the
@@ -100,7 +101,9 @@ class Meter:
             }
             return
         live = LiveBytes([*held_tensors(model, optimizer), *batch])
-        with live:
+        # above the meter, whose mode would make backward formulas copy as for a subclass (as
+        # the CPU trial's meter, `wrap.trial`)
+        with live, PlainBranches():
             yield
         self.peak = live.peak
 

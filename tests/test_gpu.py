@@ -15,6 +15,9 @@ or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
   one-rank group, trains within the limit, and pins the host memory it planned (issue 23).
 - A transformers decoder given a tokenizer's `attention_mask`, of ones and padded, within the
   same targets (`tokenizer_mask_error`, which also runs on a CPU).
+- Backward formulas that add into zeros (`index_select`'s, `gather`'s, advanced indexing's):
+  the simulation takes their plain-tensor branch (`wrap.branches`), as CUDA's real step does,
+  within the same targets (`branches_error`, which also runs on a CPU).
 """
 
 from __future__ import annotations
@@ -412,4 +415,48 @@ def test_a_transformers_decoder_given_a_tokenizer_s_mask_is_estimated_within_the
     pytest.importorskip("transformers")
     with accuracy.one_rank_group(_device()):
         error, plan = tokenizer_mask_error(_device(), padded)
+    assert -0.03 <= error <= 0.05, f"{100 * error:+.2f}%\n{plan}"
+
+
+def branches_error(device: torch.device, how: str, rows: int = 32768) -> tuple[float, str]:
+    """`test_branches`' model on `device`: the backward of its pick (`index_select`, `gather` or
+    advanced indexing) adds the gradient into zeros the size of a 128 MiB projection (at 32,768
+    rows), in place for the real step's plain tensors and, since `wrap.branches`, in the
+    simulation too (out of place it held a second projection). LOCAL's estimate, fp32, against
+    the allocator's peak (the live tensor bytes on a CPU) of three steps after one. The error
+    and the plan."""
+    from test_branches import _Picks
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    meter = accuracy.Meter(device)  # what the model, its state, the batch and the steps hold
+    torch.manual_seed(0)
+    model = _Picks(how).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(rows, 16, device=device)
+    model, optimizer, plan = autoshard.prepare(
+        model, optimizer, x, loss_fn=lambda out, batch: out, strategy="local",
+        mixed_precision="no", activation_checkpointing=0, trial_step=False,
+    )  # fmt: skip
+
+    def step() -> None:
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on
+    with meter.steps(model, optimizer, [x]):
+        for _ in range(3):
+            step()
+    assert meter.peak is not None
+    candidate = accuracy.chosen(plan)
+    estimate = candidate.estimated_peak_bytes - candidate.footprint.overheads
+    return (estimate - meter.peak) / meter.peak, str(plan)
+
+
+@pytest.mark.parametrize("how", ["index_select", "gather", "index"])
+def test_backward_formulas_adding_into_zeros_are_estimated_within_the_targets(how: str) -> None:
+    with accuracy.one_rank_group(_device()):
+        error, plan = branches_error(_device(), how)
     assert -0.03 <= error <= 0.05, f"{100 * error:+.2f}%\n{plan}"

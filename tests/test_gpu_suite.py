@@ -230,6 +230,19 @@ def test_a_failing_row_s_message_leads_with_that_row_not_the_first() -> None:
         assert "world 1 ddp (default AdamW): estimate 1116.2 MiB, measured 1024.0 MiB" in message
 
 
+def test_the_cpu_meter_holds_what_the_real_step_holds_where_backward_adds_into_zeros() -> None:
+    """The meter's CPU side is a dispatch mode, under which `index_select`'s backward adds out of
+    place, as for a tensor subclass (`wrap.branches`): it measured 40% above the real step, whose
+    plain tensors add in place. The GPU test's own helper runs here, its plumbing with it."""
+    import torch
+    from test_gpu import branches_error
+
+    cpu = torch.device("cpu")
+    with _gpu_accuracy.one_rank_group(cpu):
+        error, plan = branches_error(cpu, "index_select", rows=4096)
+    assert abs(error) <= _gpu_accuracy.MEDIAN_TARGET, f"{100 * error:+.2f}%\n{plan}"
+
+
 @pytest.mark.slow  # the dry run: about a minute on 2 cores
 @pytest.mark.compat
 def test_dry_run_falls_back_after_the_trial_runs_over_the_limit(
