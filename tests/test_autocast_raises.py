@@ -31,9 +31,9 @@ class SumsIntoItsInputsDtype(nn.Module):
     autocast the input is fp32 (the batch) and the linear's output bf16, which `index_add_`
     refuses; with the parameters and the input cast to bf16, as FSDP2 computes, both are bf16."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8, blocks: int = 2) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(blocks)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = torch.arange(x.shape[0], device=x.device)

@@ -18,6 +18,8 @@ or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
 - Backward formulas that add into zeros (`index_select`'s, `gather`'s, advanced indexing's):
   the simulation takes their plain-tensor branch (`wrap.branches`), as CUDA's real step does,
   within the same targets (`branches_error`, which also runs on a CPU).
+- A forward that raises under autocast (X-MOD's adapters) asked for bf16 under plain `python`:
+  sharded by FSDP2 over a one-rank NCCL group of its own, its trial's peak within the targets.
 """
 
 from __future__ import annotations
@@ -460,3 +462,74 @@ def test_backward_formulas_adding_into_zeros_are_estimated_within_the_targets(ho
     with accuracy.one_rank_group(_device()):
         error, plan = branches_error(_device(), how)
     assert -0.03 <= error <= 0.05, f"{100 * error:+.2f}%\n{plan}"
+
+
+AUTOCAST_RAISES_CHILD = """
+import json, sys, torch, torch.distributed as dist, autoshard
+sys.path.insert(0, "tests")
+sys.path.insert(0, "benchmarks")
+from test_autocast_raises import SumsIntoItsInputsDtype
+import _gpu_accuracy as accuracy
+
+device = torch.device("cuda", 0)
+meter = accuracy.Meter(device)  # what the model, its state, the batch and the steps hold
+torch.manual_seed(0)
+# 8 blocks of 2048 wide, 8192 rows: state and activations of about a GiB
+model = SumsIntoItsInputsDtype(width=2048, blocks=8).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+batch = torch.randn(8192, 2048, device=device)
+try:
+    with torch.autocast(device.type, torch.bfloat16):
+        model(batch)
+    raised = None
+except RuntimeError as e:
+    raised = str(e)[:200]
+model, optimizer, plan = autoshard.prepare(model, optimizer, batch, mixed_precision="bf16")
+losses = []
+
+
+def step():
+    loss = model(batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+
+
+step()
+with meter.steps(model, optimizer, [batch]):
+    for _ in range(3):
+        step()
+chosen = plan.chosen
+print("RESULT", json.dumps(dict(
+    raised=raised, strategy=plan.strategy.name, mixed_precision=plan.mixed_precision.value,
+    estimate=chosen.estimated_peak_bytes - chosen.footprint.overheads, measured=meter.peak,
+    trial=plan.measured_peak_bytes,
+    backend=dist.get_backend() if dist.is_initialized() else None,
+    losses=losses, dtypes=sorted({str(p.dtype) for p in model.parameters()}), plan=str(plan),
+)))
+"""
+
+
+def test_a_forward_raising_under_autocast_trains_bf16_sharded_under_plain_python(
+    tmp_path: Path,
+) -> None:
+    """X-MOD's pattern: CUDA's autocast raises too (`index_add_` of a bf16 linear's output into
+    zeros of the fp32 input), FSDP2's cast parameters compute it; prepare gives plain `python`
+    a one-rank NCCL group, and the allocator's peak of three steps after one is the estimate's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    script = tmp_path / "autocast_raises.py"
+    script.write_text(AUTOCAST_RAISES_CHILD)
+    returncode, output, _ = run_tree([sys.executable, str(script)], REPO, env, 600)
+    assert returncode == 0, output[-4000:]
+    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["raised"] is not None and "index_add_" in result["raised"], result
+    assert result["strategy"] in ("SHARD_GRAD_OP", "FULL_SHARD"), result["plan"]
+    assert result["mixed_precision"] == "bf16", result["plan"]
+    assert result["backend"] == "nccl", result
+    assert all(math.isfinite(x) for x in result["losses"]), result
+    assert result["dtypes"] == ["torch.float32"], result  # FSDP2's shards; bf16 copies gathered
+    assert result["trial"] is not None, result["plan"]  # the trial step ran and measured
+    error = (result["estimate"] - result["measured"]) / result["measured"]
+    assert -0.03 <= error <= 0.05, f"{100 * error:+.2f}%\n{result['plan']}"
