@@ -289,6 +289,16 @@ def test_measured_peak_above_memory_limit_is_an_oom(trial: Launch) -> None:
 # 7. trial_step=False; the loss the trial step trains on
 
 
+def test_the_training_s_own_bytes_are_this_rank_s_shards(trial: Launch) -> None:
+    """A DTensor's `numel` is the whole tensor's: counted so, the CUDA trial held a sharded
+    model's every rank's shards as its own, took the process's other tensors for the training's
+    and left them out of a memory_limit's cap (`meter.held_bytes`)."""
+    for r in trial.case("held_bytes_sharded"):
+        assert r["sharded"], r
+        # half of everything on 2 ranks (a shard of a tensor of odd rows has a row more)
+        assert 0.45 * r["whole"] <= r["held"] <= 0.55 * r["whole"], r
+
+
 def test_trial_step_false_skips_it(trial: Launch) -> None:
     for r in trial.case("trial_step_off"):
         assert r["attempts"] == []

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autoshard._torch_compat import TorchDispatchMode, storage_resize_hook, tree_leaves
 
@@ -178,11 +179,15 @@ def memory_cap(device: torch.device, limit: int | None, held: int) -> Iterator[N
 def held_bytes(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> int:
-    """Bytes of the model's parameters and buffers and the optimizer's state on `device`."""
+    """Bytes of the model's parameters and buffers and the optimizer's state on `device`: this
+    rank's shards under FSDP2 (a DTensor's `numel` is the whole tensor's: counted so, a sharded
+    model held world-size times its shards, and the CUDA trial took the process's other tensors
+    for the training's and its cap left them out of the limit)."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(
         t.numel() * t.element_size()
-        for t in tensors
+        for t in local
         if isinstance(t, torch.Tensor) and t.device == device
     )

@@ -553,6 +553,27 @@ def memory_limit_exceeded_by_measurement() -> dict[str, Any]:
     }
 
 
+@cases.case
+def held_bytes_sharded() -> dict[str, Any]:
+    """What the trial counts as the training's own under FULL_SHARD: this rank's shards."""
+    from torch.distributed.tensor import DTensor
+
+    from autoshard.wrap.meter import held_bytes
+
+    model, optimizer = build(MEMORY_WIDTH, DEPTH)
+    wrapped, optimizer, _ = autoshard.prepare(
+        model, optimizer, local_batches(1)[0], strategy="full_shard", mixed_precision="no"
+    )
+    tensors = [*wrapped.parameters(), *wrapped.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return {
+        "held": held_bytes(wrapped, optimizer, torch.device("cpu")),
+        # every rank's together: a DTensor's numel is the whole tensor's
+        "whole": sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)),
+        "sharded": any(isinstance(p, DTensor) for p in wrapped.parameters()),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. trial_step=False, and how the trial step turns the output into a loss
 
