@@ -128,6 +128,9 @@ SYMBOLS: dict[str, Symbol] = {
     "_safe_softmax": Symbol(
         "torch:ops.aten._safe_softmax", "the attention math path's softmax and its row mask"
     ),
+    "_index_put_impl_": Symbol(
+        "torch:ops.aten._index_put_impl_", "advanced indexing's in-place put, probed on CUDA"
+    ),
     **{
         name: Symbol(f"torch:ops.aten.{name}", "the FFT's copy of an input not laid out for it")
         for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r")

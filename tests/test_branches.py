@@ -147,3 +147,41 @@ def test_a_forward_s_out_of_place_call_is_left_as_it_is() -> None:
         with torch.no_grad():  # outside backward
             zeros = torch.zeros(4, 8)
             assert zeros.index_add(0, torch.arange(4), src) is not zeros
+
+
+@pytest.mark.parametrize(
+    ("how", "kernel"),
+    [
+        ("masked_select", "masked_scatter_"),
+        ("index", "index_put_"),
+        ("index_select", "index_add_"),
+        ("gather", "scatter_add_"),
+    ],
+)
+def test_a_cuda_plan_probes_the_in_place_kernel_the_formula_calls(
+    how: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's `masked_scatter_` holds an int64 prefix sum of its destination for the call (2x
+    fp32 logits picked with a boolean mask), `index_put_` with `accumulate` int64 copies of its
+    indices: each in-place kernel a formula's plain branch calls is probed where the plan is
+    for CUDA (the probe stood in for here, which has no GPU). Out of place nothing was."""
+    import autoshard
+    from autoshard.measure import workspace
+
+    probed: list[str] = []
+
+    def probe(func: Any, args: Any, kwargs: Any, device: torch.device) -> int:
+        probed.append(str(func))
+        return 0
+
+    monkeypatch.setattr(workspace, "why_not", lambda device: None)
+    monkeypatch.setattr(workspace, "_probe", probe)
+    monkeypatch.setenv("AUTOSHARD_CACHE", "0")
+    torch.manual_seed(0)
+    model = _Picks(how)
+    autoshard.plan(
+        model, torch.optim.AdamW(model.parameters()), torch.randn(256, 16),
+        loss_fn=lambda out, batch: out, device="cuda", world_size=1, device_memory="80GiB",
+        strategy="local", mixed_precision="no",
+    )  # fmt: skip
+    assert f"aten.{kernel}.default" in probed, probed

@@ -533,3 +533,16 @@ def test_a_forward_raising_under_autocast_trains_bf16_sharded_under_plain_python
     assert result["trial"] is not None, result["plan"]  # the trial step ran and measured
     error = (result["estimate"] - result["measured"]) / result["measured"]
     assert -0.03 <= error <= 0.05, f"{100 * error:+.2f}%\n{result['plan']}"
+
+
+def test_masked_scatter_s_prefix_sum_is_probed_on_this_gpu() -> None:
+    """The kernel `masked_select`'s backward calls in place (`wrap.branches`) makes an int64 per
+    element of its destination for the call (`masked_scatter__cuda`); the probe measures it."""
+    from autoshard.measure import workspace
+
+    device = _device()
+    x = torch.zeros(2048, 4096, device=device)
+    mask = torch.zeros(2048, 4096, dtype=torch.bool, device=device)
+    call = torch.ops.aten.masked_scatter_.default
+    held = workspace._probe(call, (x, mask, torch.zeros(x.numel(), device=device)), {}, device)
+    assert held is not None and held >= 8 * x.numel(), held

@@ -157,6 +157,25 @@ MATMULS = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default, aten
 # buffer added as well.
 ACCUMULATIONS = frozenset((aten.index_add_.default, aten.scatter_add_.default))
 REDUCED = (torch.bfloat16, torch.float16)
+# CUDA's in-place kernels that the backward of `masked_select`, advanced indexing, `gather` and
+# `index_select` call (their plain-tensor branch, `wrap.branches`), probed on CUDA only (on CPU
+# they hold nothing beyond `ACCUMULATIONS`' buffers). `masked_scatter_` makes a prefix sum of
+# the mask, an int64 per element of its destination, for the call (`masked_scatter__cuda`,
+# torch 2.11 to 2.15): 2x fp32 logits picked with a boolean mask, 4x bf16 ones; `index_put_`
+# with `accumulate` sorts its indices (int64 copies) and copies its values where the indexed
+# dimensions are not adjacent (`index_put_with_sort_kernel`). Out of place the simulation held a
+# copy of the destination, which hid part of it; in place nothing was probed.
+CUDA_IN_PLACE = frozenset(
+    op
+    for op in (
+        aten.masked_scatter_.default,
+        aten.index_put_.default,
+        op_overload("_index_put_impl_"),
+        aten.index_add_.default,
+        aten.scatter_add_.default,
+    )
+    if op is not None
+)
 
 
 def skew_symmetric_on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -255,7 +274,7 @@ class Workspace(TorchDispatchMode):
 
 
 def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
-    if func in OPERATORS:
+    if func in OPERATORS or (func in CUDA_IN_PLACE and device.type == "cuda"):
         return True
     if (
         (func in MATMULS or func in ACCUMULATIONS)
