@@ -112,6 +112,18 @@ def test_fsdp2_s_host_times_are_measured_under_the_caller_s_modes(plausible: Non
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
+def test_the_timed_runs_pass_through_no_default_device_the_caller_did_not_set() -> None:
+    """A default device is a torch function mode every timed call would pass through: entered
+    only over the caller's own, which made tensors elsewhere than on the CPU."""
+    import contextlib
+
+    from autoshard.measure.device import cpu_by_default
+
+    assert isinstance(cpu_by_default(), contextlib.nullcontext)
+    with torch.device("meta"), cpu_by_default():
+        assert torch.empty(1).device.type == "cpu"
+
+
 def test_fsdp2_s_host_times_timed_for_real_are_two_times_or_none() -> None:
     figures = _fsdp_host_times(torch.device("cpu"), torch.bfloat16)
     assert figures is None or all(math.isfinite(f) and f > 0 for f in figures), figures
