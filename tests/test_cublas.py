@@ -154,6 +154,65 @@ def test_the_probe_measures_what_a_first_training_step_allocates(dtype: str) -> 
     assert probe == step, f"probe {probe / MIB:.2f} MiB, first step {step / MIB:.2f} MiB"
 
 
+class _Allocator:
+    """The caching allocator's counters as `cublas._measure` reads them, and linear steps that
+    allocate through it: workspaces kept per handle (torch 2.11 to 2.13), or, as torch 2.15 by
+    default, cuBLASLt's kept and cuBLAS's held for each operation's duration."""
+
+    INPUTS, PRODUCTS = 3 * 16 * 1024, 100 * 1024  # x, w, b; products and gradients at the peak
+
+    def __init__(self, kept: int, per_operation: int) -> None:
+        self.allocated = self.peak = 5 * MIB  # the caller's
+        self.kept, self.per_operation, self.workspaces = kept, per_operation, 0
+
+    def linear_step(self, device: torch.device, dtype: torch.dtype) -> int:
+        if not self.workspaces:
+            self.workspaces = self.kept
+            self.allocated += self.kept
+        held = self.INPUTS + self.PRODUCTS + self.per_operation
+        self.peak = max(self.peak, self.allocated + held)
+        return self.INPUTS
+
+    def clear(self) -> bool:
+        self.allocated -= self.workspaces
+        self.workspaces = 0
+        return True
+
+
+@pytest.mark.parametrize(
+    ("kept", "per_operation"),
+    [(64 * MIB, 0), (MIB, 32 * MIB), (0, 32 * MIB)],
+    ids=["kept (2.11 to 2.13)", "cuBLASLt's kept, cuBLAS's per operation (2.15)", "none kept"],
+)
+def test_the_probe_counts_workspaces_kept_and_those_held_for_an_operation(
+    kept: int, per_operation: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept workspaces exactly, as a first training step leaves them (the GPU test below); and a
+    workspace held only while an operation runs, which torch 2.15 gives each cuBLAS call, with
+    the probe's own products at its peak (a few KiB over): counting only what was kept read
+    about 0 there."""
+    import contextlib
+
+    allocator = _Allocator(kept, per_operation)
+    monkeypatch.setattr(cublas, "caller_peak_kept", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cublas, "clear_cublas_workspaces", allocator.clear)
+    monkeypatch.setattr(cublas, "_linear_step", allocator.linear_step)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocator.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator.peak)
+
+    def reset(device: object = None) -> None:
+        allocator.peak = allocator.allocated
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    measured = cublas._measure(torch.device("cuda", 0), torch.bfloat16)
+    if per_operation:
+        assert kept + per_operation <= measured <= kept + per_operation + _Allocator.PRODUCTS
+    else:
+        assert measured == kept
+    assert allocator.workspaces == 0  # freed again: the trial's step allocates them as training
+
+
 def test_a_cuda_trial_frees_the_workspaces_before_it_so_that_it_counts_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -12,7 +12,9 @@ estimate met a 98.7 MiB peak, the 64 MiB being these two.
 Where this machine has the planned CUDA device, the workspaces are measured: every workspace is
 freed (`_torch_compat.clear_cublas_workspaces`; torch allocates them again at the next matmul), a
 small forward and backward of a linear layer runs in fp32 and in the compute dtype, and what stays
-allocated once its tensors are gone is what the step will allocate. They are freed again
+allocated once its tensors are gone is what the step will allocate (torch 2.15 keeps none by
+default, and gives each operation a workspace for its duration instead: there the most the probe
+held at once beyond its inputs is counted). They are freed again
 afterwards, and once more by the trial before its step (`trial._workspaces_freed`: the
 calibration's matmuls, or the caller's, allocate them in between), so that the trial step
 measures them as training allocates them. Without a device (a what-if plan) torch's default for
@@ -41,6 +43,10 @@ HANDLES_PER_STEP = 2
 # ":4096:8" in CUBLAS_WORKSPACE_CONFIG's terms; older GPUs default to ":4096:2:16:8" (8.1 MiB).
 DEFAULT_WORKSPACE_BYTES = 4096 * 8 * 1024
 _PROBE_SIZE = 64  # rows and columns of the probe's matmuls: any size takes the same workspace
+# Held beyond the probe's inputs during its steps, this much or more is a workspace held for an
+# operation's duration (the smallest default, cuBLASLt's before Hopper, is 1 MiB); less, its
+# products and gradients (some 100 KiB at 64 x 64)
+EAGER_FLOOR = 2**20
 
 
 @dataclass(frozen=True)
@@ -74,30 +80,45 @@ def cublas_workspaces(device: torch.device, dtype: torch.dtype | None) -> Cublas
 
 
 def _measure(device: torch.device, dtype: torch.dtype | None) -> int | None:
-    """Bytes a forward and backward of a linear layer leave allocated once its tensors are gone,
-    starting from no workspace; None where this torch cannot free the workspaces."""
+    """Bytes of workspace a forward and backward of a linear layer take, starting from none:
+    what they leave allocated once their tensors are gone (torch 2.11 to 2.13 keep one per
+    handle and stream), and what the same steps, run again, hold at once beyond their inputs
+    where that is a workspace's size (`EAGER_FLOOR`): torch 2.15 keeps cuBLASLt's but, unless
+    `TORCH_CUBLAS_WORKSPACE_CACHE=1`, gives each cuBLAS operation a workspace of its own for its
+    duration (`CUDAContextLight.h`, `getCurrentCUDABlasHandleWithWorkspace`). None where this
+    torch cannot free the workspaces."""
+    dtypes = dict.fromkeys((torch.float32, dtype or torch.float32))
     with disable_current_modes(), caller_peak_kept(device):
         torch.cuda.synchronize(device)
         if not clear_cublas_workspaces():
             return None
         before = torch.cuda.memory_allocated(device)
-        for each in dict.fromkeys((torch.float32, dtype or torch.float32)):
+        for each in dtypes:
             _linear_step(device, each)
         torch.cuda.synchronize(device)
-        nbytes = torch.cuda.memory_allocated(device) - before
+        kept = max(0, torch.cuda.memory_allocated(device) - before)
+        # again, with what is kept allocated already: the peak beyond it and the inputs (alive
+        # throughout; the least of the steps', whichever the peak is in) is the products and
+        # gradients at the peak (KiB), and a workspace held for an operation's duration
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the caller's peak: `caller_peak_kept`
+        inputs = min(_linear_step(device, each) for each in dtypes)
+        torch.cuda.synchronize(device)
+        during = torch.cuda.max_memory_allocated(device) - base - inputs
         clear_cublas_workspaces()  # the trial step allocates them again, as training does
-    return max(0, nbytes)
+    return kept + (during if during >= EAGER_FLOOR else 0)
 
 
-def _linear_step(device: torch.device, dtype: torch.dtype) -> None:
+def _linear_step(device: torch.device, dtype: torch.dtype) -> int:
     """A linear layer's forward (addmm: cuBLASLt with its bias) and backward (mm on autograd's
-    thread), and a plain matmul's (cuBLAS)."""
+    thread), and a plain matmul's (cuBLAS). Returns the bytes of its inputs."""
     shape = (_PROBE_SIZE, _PROBE_SIZE)
     x = torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
     w = torch.zeros(shape, device=device, dtype=dtype, requires_grad=True)
     b = torch.zeros(_PROBE_SIZE, device=device, dtype=dtype, requires_grad=True)
     out = torch.nn.functional.linear(x, w, b) + x @ w
     out.sum().backward()
+    return sum(t.untyped_storage().nbytes() for t in (x, w, b))
 
 
 def _assumed(why: str) -> CublasWorkspaces:
