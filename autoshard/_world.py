@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from autoshard import _cgroup
 from autoshard._teardown import destroy_at_exit
+from autoshard._torch_compat import clear_cublas_workspaces
+from autoshard._units import human
 
 logger = logging.getLogger("autoshard")
 
@@ -224,7 +226,22 @@ def host_memory() -> HostMemory:
 
 
 def _gpu_memory(device: torch.device) -> Memory:
+    """The device's free memory as this process's training will find it: the driver's figure,
+    which counts what torch's caching allocator holds as used, plus the blocks it holds free for
+    this process to reuse, cuBLAS's workspaces among them once freed (the trial step frees them
+    before its step, `trial._workspaces_freed`, and the estimate counts the training's own:
+    left allocated, a caller's matmuls before `prepare` had them counted twice)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    clear_cublas_workspaces()  # torch makes them again at the next matmul
+    driver = _driver_memory(index)
+    cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    if cached <= 0:
+        return driver
+    source = f"{driver.source} + {human(cached)} torch's allocator holds free for reuse"
+    return Memory(driver.free_bytes + cached, driver.total_bytes, source)
+
+
+def _driver_memory(index: int) -> Memory:
     try:
         import pynvml
 

@@ -47,3 +47,44 @@ def test_hybrid_shards_mesh_has_the_plans_node_count(monkeypatch: pytest.MonkeyP
     )
     make_mesh(recipe(Strategy.HYBRID_SHARD), spanning(world(4, 4), hosts=2))
     assert meshes == [("cpu", (2, 2), {"mesh_dim_names": ("replicate", "shard")})]
+
+
+def test_free_gpu_memory_counts_the_blocks_torch_holds_free_for_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The driver counts torch's cached blocks as used, though this process's training reuses
+    them; cuBLAS's workspaces a caller's matmuls left are freed first (the trial frees them
+    before its step, and the estimate counts the training's own): left allocated, they were
+    missing from the free memory and counted in the estimate as well."""
+    import sys
+    import types
+
+    from autoshard import _world
+
+    gib, mib = 2**30, 2**20
+    info = types.SimpleNamespace(free=10 * gib, total=80 * gib)
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+        nvmlDeviceGetMemoryInfo=lambda handle: info,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="GPU-0")
+    )
+    held = {"allocated": 3 * gib + 64 * mib, "reserved": 4 * gib, "workspaces": 64 * mib}
+
+    def clear() -> bool:
+        held["allocated"] -= held["workspaces"]
+        held["workspaces"] = 0
+        return True
+
+    monkeypatch.setattr(_world, "clear_cublas_workspaces", clear)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: held["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: held["reserved"])
+    memory = _world._gpu_memory(torch.device("cuda", 0))
+    assert memory.free_bytes == 10 * gib + 1 * gib
+    assert memory.source == "pynvml, GPU GPU-0 + 1.00 GiB torch's allocator holds free for reuse"
+    held["reserved"] = held["allocated"]  # nothing cached: the driver's figure as it is
+    assert _world._gpu_memory(torch.device("cuda", 0)).free_bytes == 10 * gib
