@@ -35,6 +35,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from autoshard._torch_compat import (
@@ -130,6 +131,22 @@ def _next_round() -> tuple[Any, int]:
     n = int(_round["n"])
     _round["n"] = n + 1
     return default_store(), n
+
+
+def exchange_in_group(what: str, payload: Any) -> list[Any]:
+    """`exchange` over the current default process group, for code that holds no `World`: every
+    rank's `payload`, through the job's store. Not an object collective: on NCCL one queues
+    behind any collective a rank left unmatched, and allocates on the device."""
+    world = World(
+        rank=dist.get_rank(),
+        local_rank=0,
+        world_size=dist.get_world_size(),
+        local_world_size=1,
+        backend=str(dist.get_backend()),
+        device=torch.device("cpu"),
+        distributed=True,
+    )
+    return exchange(world, what, payload)
 
 
 def exchange(world: World, what: str, payload: Any) -> list[Any]:

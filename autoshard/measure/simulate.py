@@ -45,6 +45,7 @@ from torch import nn
 
 from autoshard._batch import LossFn
 from autoshard._torch_compat import sharding_propagation_untracked, tree_map
+from autoshard.collective import exchange_in_group
 from autoshard.decide.estimate import (
     ModelStats,
     Phase,
@@ -320,7 +321,8 @@ def simulate_all(
 
     Inside a job, with `shared` (`prepare`), every rank must call this at the same point: the
     runs are shared out among the ranks, each simulates its own at the real world size, and one
-    `all_gather_object` gives every rank the same results. Without `shared` (`plan`, which may
+    exchange through the job's store (`collective.exchange_in_group`) gives every rank the same
+    results. Without `shared` (`plan`, which may
     run on one rank only) nothing is exchanged: this rank simulates every run. Outside a job a
     fake default group of at most MAX_SIMULATED_DEGREE ranks is used, and the estimate rescales.
     A run whose simulation fails (an optimizer that cannot be rebuilt on fake parameters, an
@@ -345,9 +347,8 @@ def simulate_all(
         run: entry for run in runs if (entry := cache.load("run", digests[run], _entry)) is not None
     }
     if shared:  # the same runs are left to share out on every rank
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, kept)
-        for theirs in everyone:
+        # through the job's store, not an object collective (`collective.exchange_in_group`)
+        for theirs in exchange_in_group("the simulations kept on disk", kept):
             kept.update(theirs)
     left = [run for run in runs if run not in kept]
     mine = [run for i, run in enumerate(left) if not shared or i % size == rank]
@@ -384,8 +385,7 @@ def simulate_all(
     finally:
         context.__exit__(None, None, None)
     if shared:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (results, failures, crashed))
+        gathered = exchange_in_group("the simulations", (results, failures, crashed))
         for theirs, failed, theirs_crashed in gathered:
             results.update(theirs)
             failures.update(failed)
