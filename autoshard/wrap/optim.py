@@ -47,5 +47,10 @@ def _like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(new, DTensor):
-        return distribute_tensor(value.to(new.device), new.device_mesh, new.placements)
+        # each rank's shard of its own state, with no collective (`src_data_rank=None`): on NCCL
+        # a scatter is enqueued, and a rank failing between two of them (an OOM in `.to`) left
+        # its peers' scatters unmatched under the agreement that reports it
+        return distribute_tensor(
+            value.to(new.device), new.device_mesh, new.placements, src_data_rank=None
+        )
     return value.to(new.device)
