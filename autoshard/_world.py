@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from autoshard import _cgroup
 from autoshard._teardown import destroy_at_exit
-from autoshard._torch_compat import clear_cublas_workspaces
+from autoshard._torch_compat import clear_cublas_workspaces, default_group
 from autoshard._units import human
 
 logger = logging.getLogger("autoshard")
@@ -73,25 +73,26 @@ def resolve(*, init: bool) -> World:
     if not dist.is_initialized() and init and launched_by_torchrun():
         reasons.append(_init_process_group())
     if not dist.is_initialized():
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
-        )
+        # under torchrun before any group (`plan`, an Accelerator built after it): this rank's
+        # GPU and its node's share of the host, not GPU 0 and all of it for every rank
+        launched = launched_by_torchrun()
+        local_rank = int(os.environ["LOCAL_RANK"]) if launched else -1
+        device = rank_device(local_rank) if _cuda() else torch.device("cpu")
         reasons.append(
             f"one process, no process group, training on {device}: unwrapped, unless its state "
             f"must be offloaded to host memory or it trains only sharded (prepare then creates "
             f"a one-rank group)"
         )
-        return World(0, 0, 1, 1, None, device, False, tuple(reasons))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched else 1
+        return World(0, max(local_rank, 0), 1, per_node, None, device, False, tuple(reasons))
     backend = str(dist.get_backend())
     on_gpu = _cuda() and "nccl" in backend
     local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
-    if on_gpu and local_rank >= 0:
+    if on_gpu:
         # NCCL's object collectives use the current device: it must be this rank's, also when
         # the caller initialised the process group without setting it.
-        device = torch.device("cuda", local_rank)
+        device = rank_device(local_rank)
         torch.cuda.set_device(device)
-    elif on_gpu:  # no launcher told us (mp.spawn, srun): the device the caller set is the one
-        device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
         if _cuda():
@@ -123,6 +124,20 @@ def _cuda() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def rank_device(local_rank: int) -> torch.device:
+    """This rank's GPU: the one its process group is bound to (`init_process_group(device_id=)`,
+    which does not make it current), else the `local_rank`-th where this process sees that many,
+    else the current one (no launcher said, as under `mp.spawn`; or each process sees only its
+    own GPUs, as under Slurm's `--gpus-per-task`, and LOCAL_RANK counts GPUs it cannot see)."""
+    if dist.is_initialized():
+        bound = getattr(default_group(), "bound_device_id", None)
+        if isinstance(bound, torch.device) and bound.type == "cuda" and bound.index is not None:
+            return bound
+    if 0 <= local_rank < torch.cuda.device_count():
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _init_process_group() -> str:
     local_rank = int(os.environ["LOCAL_RANK"])
     # accelerate launch starts the ranks through torchrun and adds its own ACCELERATE_* settings.
@@ -130,10 +145,11 @@ def _init_process_group() -> str:
         "accelerate launch" if any(k.startswith("ACCELERATE_") for k in os.environ) else "torchrun"
     )
     if _cuda():
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        device = rank_device(local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
         destroy_at_exit()
-        return f"launched by {launcher}: initialised the process group (nccl, cuda:{local_rank})"
+        return f"launched by {launcher}: initialised the process group (nccl, {device})"
     dist.init_process_group("gloo")
     destroy_at_exit()
     return f"launched by {launcher} with no GPU: initialised the process group (gloo, cpu)"

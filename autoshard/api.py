@@ -245,5 +245,7 @@ def _target_device(device: str | None, here: torch.device) -> torch.device:
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if device == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        # this rank's GPU (`_world.rank_device`), not the current one: GPU 0 for every rank
+        # under torchrun before a process group
+        return here if here.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     return torch.device(device)
