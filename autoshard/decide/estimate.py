@@ -360,10 +360,14 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         activations += profile.activation_bytes(s.checkpointed)
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself,
-    # and at least as much as the trace's backward rose above where it began.
+    # and at least as much as the trace's backward rose above where it began; where gradients
+    # are summed into buffers holding them already (DDP's buckets, a micro-batch after the
+    # first), each new one is alive until it is summed, and counts in that rise.
     backward_temp = 0
     if profile is not None:
-        backward_temp = max(2 * profile.largest_saved_bytes, profile.backward_rise_bytes)
+        into_buffers = recipe(s.strategy).engine is Engine.DDP or s.accumulation_steps > 1
+        rise = profile.rise_into_buffers_bytes if into_buffers else profile.backward_rise_bytes
+        backward_temp = max(2 * profile.largest_saved_bytes, rise)
     in_backward = _grads_in_backward(stats, s, grads)
     backward = (
         params,

@@ -93,6 +93,9 @@ class ActivationProfile:
             figure of the whole step, not of blocks: from a shallow trace, the copy's, not
             extended (fewer blocks free as many saved activations before backward's peak, or
             fewer).
+        rise_into_buffers_bytes: the same where each parameter's gradient is summed into a
+            buffer that holds it already (DDP's buckets, a micro-batch after the first): each
+            gradient made, then freed once summed, counted from its making to its summing.
         block_forward_flops: forward FLOPs of each block.
         total_forward_flops: forward FLOPs of the whole model and loss.
         compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
@@ -160,6 +163,7 @@ class ActivationProfile:
     priced_calls: tuple[PricedCall, ...] = ()
     moving_calls: tuple[MovingCall, ...] = ()
     backward_rise_bytes: int = 0
+    rise_into_buffers_bytes: int = 0
 
     @property
     def other_saved_bytes(self) -> int:

@@ -582,6 +582,7 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         largest,
         unlike_blocks=largest.unlike_blocks or unlike,
         backward_rise_bytes=max(p.backward_rise_bytes for p in known),
+        rise_into_buffers_bytes=max(p.rise_into_buffers_bytes for p in known),
     )
 
 

@@ -31,11 +31,17 @@ class BackwardRise(TorchDispatchMode):
     (`rise`): the storages operators make in backward (not their inputs' views or in-place
     results), each from its making to its freeing, less the saved activations freed meanwhile
     (`saved`), the parameters' gradients left out (`gradient`). Forward's operators pass
-    straight through."""
+    straight through.
+
+    Also as it rises where each gradient is summed into a buffer that holds it already (DDP's
+    buckets, an accumulated micro-batch: `rise_into_buffers`): the traced step's gradients
+    become the parameters' (the engine hands a parameter without one its new gradient), there
+    each is made, then freed once summed into its buffer."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.events: list[tuple[int, int]] = []  # (allocation, bytes: + made, - freed)
+        # (allocation, bytes: + made, - freed, whether a gradient's summing into its buffer)
+        self.events: list[tuple[int, int, bool]] = []
         self.alive: dict[int, int] = {}  # storage made in backward -> its allocation
         self.grads: set[int] = set()  # allocations that were a parameter's gradient
         self._sums: dict[int, tuple[int, ...]] = {}  # a sum's allocation -> its terms'
@@ -67,7 +73,7 @@ class BackwardRise(TorchDispatchMode):
                 continue
             made, size = next(self._made), storage.nbytes()
             self.alive[key] = made
-            self.events.append((made, size))
+            self.events.append((made, size, False))
             weakref.finalize(storage, self._freed, key, made, size)
             if func is _ADD:  # the engine summing a tensor's gradients, or a formula
                 self._sums[made] = tuple(
@@ -96,6 +102,8 @@ class BackwardRise(TorchDispatchMode):
         if grad is None or not stored(grad):
             return
         made = self.alive.get(storage_key(grad.untyped_storage()))
+        if made is not None:  # summed into a buffer, the new gradient would be freed now
+            self.events.append((made, -grad.untyped_storage().nbytes(), True))
         terms = [] if made is None else [made]
         while terms:
             term = terms.pop()
@@ -108,13 +116,22 @@ class BackwardRise(TorchDispatchMode):
             del self.alive[key]
         self._saved.discard(key)
         if self._backward:
-            self.events.append((made, -size))
+            self.events.append((made, -size, False))
 
     def rise(self) -> int:
         """How far the bytes held rose in backward, from where they stood as it began."""
         held = peak = 0
-        for made, size in self.events:
-            if made not in self.grads:
+        for made, size, summed in self.events:
+            if made not in self.grads and not summed:
                 held += size
                 peak = max(peak, held)
+        return peak
+
+    def rise_into_buffers(self) -> int:
+        """The same where each parameter's gradient is summed into a buffer holding it already:
+        every storage counted, each gradient from its making to its summing."""
+        held = peak = 0
+        for _, size, _ in self.events:
+            held += size
+            peak = max(peak, held)
         return peak
