@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 import autoshard
 from autoshard import Strategy
 from autoshard.decide.estimate import ModelStats, Setting, analytic
+from autoshard.decide.profile import ActivationProfile
 from autoshard.decide.validate import check_request
 
 FP32 = 4
@@ -57,10 +58,10 @@ STATS = ModelStats(
 
 def _grads(strategy: Strategy, steps: int) -> int:
     s = Setting(strategy, 0, 2, FP32, FP32, "cpu", False, accumulation_steps=steps)
-    # activations large enough that the backward phase is the peak
-    profile = None
-    footprint = analytic(dataclasses.replace(STATS, input_bytes=10**7), profile, s)
-    return footprint.grads
+    # activations large enough that the backward phase is the peak (saved by the head; the
+    # batch is held at the step as well)
+    profile = ActivationProfile((), (), 0, 10**7, 0, (), 0, torch.float32)
+    return analytic(STATS, profile, s).grads
 
 
 def test_accumulated_gradients_by_strategy() -> None:

@@ -228,7 +228,7 @@ def hand_phases(
         params,
         grads_all,  # every gradient is alive at the step
         optimizer_state,
-        0,  # activations are freed by then
+        stats.input_bytes,  # activations are freed by then; the caller's loop holds the batch
         0,  # and so are the gathered parameters
         grads_all,  # AdamW (foreach): one grad-sized list of intermediates
     )
@@ -301,7 +301,8 @@ def test_the_phase_that_peaks(
     if PEAK_PHASE[strategy] == "step":
         assert sum(step) > sum(backward)
         assert terms_of(fp) == step
-        assert fp.activations == 0 and fp.comm_buffers == 0  # freed before the step
+        # the activations freed before the step, the batch still held
+        assert fp.activations == stats.input_bytes and fp.comm_buffers == 0
     else:
         assert sum(backward) > sum(step)
         assert terms_of(fp) == backward
@@ -412,11 +413,12 @@ def test_the_step_peaks_when_activations_are_small() -> None:
     fp = estimate(stats, None, setting(Strategy.DDP, 2))
     # backward: params 400 + grads 400 (DDP buckets) + Adam 800 + the batch 1 (no trace) + no
     # comm + no backward temporary (no trace) = 1601 MiB;
-    # step: params 400 + grads 400 + Adam 800 + foreach intermediates 400 = 2000 MiB: the step.
-    assert terms_of(fp) == (400 * MiB, 400 * MiB, 800 * MiB, 0, 0, 400 * MiB)
+    # step: params 400 + grads 400 + Adam 800 + the batch 1 (the caller's loop holds it) +
+    # foreach intermediates 400 = 2001 MiB: the step.
+    assert terms_of(fp) == (400 * MiB, 400 * MiB, 800 * MiB, MiB, 0, 400 * MiB)
     assert fp.overheads == 0  # on CPU
-    # Without optimizer state (plain SGD) there is no step temporary: step = 400 + 400 = 800 MiB
-    # against backward = 400 + 400 + 1 (the batch) = 801 MiB: backward, with the batch alive.
+    # Without optimizer state (plain SGD) there is no step temporary: step = 400 + 400 + 1 (the
+    # batch) = 801 MiB, as backward = 400 + 400 + 1 (the batch) = 801 MiB.
     no_state = ModelStats(**{**stats.__dict__, "optimizer_bytes": 0})
     fp = estimate(no_state, None, setting(Strategy.DDP, 2))
     assert terms_of(fp) == (400 * MiB, 400 * MiB, 0, MiB, 0, 0)
@@ -453,21 +455,25 @@ def test_local_backward_holds_the_largest_units_grads() -> None:
         trainable_bytes=120 * FP32,
         floating_numel=120,
         block_numel=(40, 30),
-        optimizer_bytes=0,  # no step temporary: step = params + all grads
+        optimizer_bytes=0,  # no step temporary: step = params + all grads + the batch
         optimizer_reason="SGD: no state",
         input_bytes=290,
     )
+
+    def saving(nbytes: int) -> ActivationProfile:  # the head saves `nbytes`, the blocks nothing
+        return ActivationProfile((0, 0), (0, 0), 0, nbytes, 0, (0, 0), 0, torch.float32)
+
     local = setting(Strategy.LOCAL, 1)
-    # backward: params 480 + the root's grads 50 * 4 = 200 + the batch 290 = 970 bytes;
-    # step: params 480 + all grads 480 = 960 bytes: backward peaks.
-    assert terms_of(estimate(stats, None, local)) == (480, 200, 0, 290, 0, 0)
-    # A 280-byte batch: both phases come to 960 bytes, and the tie reads as backward.
-    tie = ModelStats(**{**stats.__dict__, "input_bytes": 280})
-    assert terms_of(estimate(tie, None, local)) == (480, 200, 0, 280, 0, 0)
+    # backward: params 480 + the root's grads 50 * 4 = 200 + the batch 290 + saved 300 = 1270
+    # bytes; step: params 480 + all grads 480 + the batch 290 = 1250 bytes: backward peaks.
+    assert terms_of(estimate(stats, saving(300), local)) == (480, 200, 0, 590, 0, 0)
+    # 280 bytes saved: both phases come to 1250 bytes, and the tie reads as backward.
+    assert terms_of(estimate(stats, saving(280), local)) == (480, 200, 0, 570, 0, 0)
     # Most parameters frozen: the largest unit (200 bytes of grads) is capped at all the
-    # trainable grads (40 * 4 = 160). backward: 480 + 160 + 400 = 1040; step: 480 + 160 = 640.
-    frozen = ModelStats(**{**stats.__dict__, "trainable_bytes": 40 * FP32, "input_bytes": 400})
-    assert terms_of(estimate(frozen, None, local)) == (480, 160, 0, 400, 0, 0)
+    # trainable grads (40 * 4 = 160). backward: 480 + 160 + 290 + 300 = 1230; step: 480 + 160
+    # + 290 = 930.
+    frozen = ModelStats(**{**stats.__dict__, "trainable_bytes": 40 * FP32})
+    assert terms_of(estimate(frozen, saving(300), local)) == (480, 160, 0, 590, 0, 0)
 
 
 @pytest.mark.parametrize(

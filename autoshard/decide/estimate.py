@@ -384,10 +384,12 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         step_temp = grads if stats.optimizer_bytes else 0
     else:
         step_temp = -(-stats.step_temporary_bytes // n)
-    step = (params, grads, optimizer_state, 0, retired_bucket_bytes(stats, s), step_temp)
+    # the batch is still held at the optimizer step (the caller's loop holds it)
+    inputs = stats.input_bytes
+    step = (params, grads, optimizer_state, inputs, retired_bucket_bytes(stats, s), step_temp)
     if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = (stats.buffer_bytes, 0, 0, *backward[3:])
-        step = (stats.buffer_bytes, 0, 0, 0, 0, 0)
+        step = (stats.buffer_bytes, 0, 0, inputs, 0, 0)
     terms = max(backward, step, key=sum)
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
