@@ -179,7 +179,8 @@ def hand_comm(name: str, strategy: Strategy, compute_bytes: int = BF16) -> int:
     _, _, floating_numel, blocks = HAND[name]
     two_largest = sum(sorted(blocks, reverse=True)[:2])  # the two largest FSDP units (blocks)
     root = floating_numel - sum(blocks)  # offset + head: the root unit
-    reduce_scatter = two_largest * FP32  # fp32 unsharded grads: the unit reduce-scattering + next
+    # fp32 unsharded grads: the unit reduce-scattering + the next, or the root's at the end
+    reduce_scatter = max(two_largest, root) * FP32
     if strategy == Strategy.SHARD_GRAD_OP:
         # every parameter all-gathered in the compute dtype, kept from forward to backward
         return floating_numel * compute_bytes + reduce_scatter
@@ -325,13 +326,14 @@ def test_comm_buffers(
     if strategy == Strategy.SHARD_GRAD_OP:
         expected = (
             floating_numel * BF16  # every param all-gathered in bf16, kept forward -> backward
-            + (first + second) * FP32  # fp32 unsharded grads of the two largest units
+            # fp32 unsharded grads of the two largest units, or of the root at the end
+            + max(first + second, root) * FP32
         )
     elif strategy == Strategy.FULL_SHARD:
         expected = (
             root * BF16  # the root unit is not resharded after forward
             + (first + second) * BF16  # the current block gathered + the prefetched one
-            + (first + second) * FP32  # reduce-scatter, as above
+            + max(first + second, root) * FP32  # reduce-scatter, as above
         )
         assert root + first + second < floating_numel  # more than 2 blocks: the cap is not hit
     else:
@@ -361,7 +363,9 @@ def test_full_shard_with_two_blocks_or_fewer_gathers_everything(n_blocks: int) -
     # root + the two largest = every parameter: ZeRO-3 gathers as much as ZeRO-2.
     expected = (
         floating * BF16  # all parameters gathered in bf16
-        + two_largest * FP32  # fp32 grads of the (at most two) blocks, reduce-scattering
+        # fp32 grads reduce-scattering: the (at most two) blocks', or the root's at the end of
+        # backward (without blocks, the whole model's)
+        + max(two_largest, root) * FP32
     )
     assert zero3.comm_buffers == zero2.comm_buffers == expected
 

@@ -473,13 +473,14 @@ def _unsharded_bytes(stats: ModelStats, s: Setting) -> int:
     forward, holding at most the current and the prefetched block (bounded by the two largest),
     plus the root, which FSDP2 never reshards after forward (`fully_shard` docstring).
     Reduce-scatter needs the unsharded gradient of one unit in flight, and its output overlaps
-    the next one's: the two largest blocks' worth.
+    the next one's: the two largest blocks' worth, or the root's, whose gradients (the
+    embeddings', a tied vocabulary's) wait for its reduce-scatter at the end of backward.
     """
     if not recipe(s.strategy).sharded:
         return 0
     element = s.compute_bytes
     two_largest = sum(sorted(stats.block_numel, reverse=True)[:2])
-    reduce_scatter = two_largest * s.param_element_bytes
+    reduce_scatter = max(two_largest, stats.root_numel) * s.param_element_bytes
     if not recipe(s.strategy).reshard_after_forward:
         return stats.floating_numel * element + reduce_scatter
     gathered = min(stats.root_numel + two_largest, stats.floating_numel)
