@@ -231,14 +231,19 @@ print("RESULT", json.dumps(dict(
 """
 
 
-def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: Path) -> None:
+def _plain_python_result(script: Path, text: str) -> dict:
+    """Run `text` as `python script` from the repository, outside any launcher, and return the
+    JSON it printed after "RESULT "."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(REPO)
-    script = tmp_path / "offload.py"
-    script.write_text(OFFLOAD_CHILD)
+    script.write_text(text)
     returncode, output, _ = run_tree([sys.executable, str(script)], REPO, env, 600)
     assert returncode == 0, output[-4000:]
-    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    return json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+
+
+def test_one_gpu_under_plain_python_offloads_where_only_offload_fits(tmp_path: Path) -> None:
+    result = _plain_python_result(tmp_path / "offload.py", OFFLOAD_CHILD)
     assert result["strategy"] == "CPU_OFFLOAD", result
     assert result["initialized"], "prepare gave plain python a group of its own"
     assert any("one-rank group of its own (nccl" in r for r in result["reasons"]), result
@@ -517,13 +522,7 @@ def test_a_forward_raising_under_autocast_trains_bf16_sharded_under_plain_python
     """X-MOD's pattern: CUDA's autocast raises too (`index_add_` of a bf16 linear's output into
     zeros of the fp32 input), FSDP2's cast parameters compute it; prepare gives plain `python`
     a one-rank NCCL group, and the allocator's peak of three steps after one is the estimate's."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(REPO)
-    script = tmp_path / "autocast_raises.py"
-    script.write_text(AUTOCAST_RAISES_CHILD)
-    returncode, output, _ = run_tree([sys.executable, str(script)], REPO, env, 600)
-    assert returncode == 0, output[-4000:]
-    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    result = _plain_python_result(tmp_path / "autocast_raises.py", AUTOCAST_RAISES_CHILD)
     assert result["raised"] is not None and "index_add_" in result["raised"], result
     assert result["strategy"] in ("SHARD_GRAD_OP", "FULL_SHARD"), result["plan"]
     assert result["mixed_precision"] == "bf16", result["plan"]
