@@ -142,7 +142,9 @@ def test_frozen_parameters_are_simulated_under_ddp_with_gradients_for_the_traina
 
 
 class _Seq2Seq(nn.Module):
-    """nn.Transformer with a causal target mask: it checks the mask's values (data-dependent)."""
+    """nn.Transformer with a causal target mask, which it checks the values of (data-dependent):
+    made in place (`fill_`, `triu_`), whose values the fake step forgets (the mask
+    `generate_square_subsequent_mask` makes, of constants, it knows)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,7 +153,8 @@ class _Seq2Seq(nn.Module):
         self.norm = nn.BatchNorm1d(32)  # a buffer the real trace must not move
 
     def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(target.shape[1])
+        length = target.shape[1]
+        mask = torch.empty(length, length).fill_(float("-inf")).triu_(1)
         out = self.transformer(self.embed(source), self.embed(target), tgt_mask=mask)
         return self.norm(out.transpose(1, 2)).sum()
 

@@ -26,6 +26,11 @@ So the simulation follows such values as the real step would compute them (`Know
   at any length (the largest-batch search plans batches of millions of tokens). Operators that
   draw random numbers, or leave their output's memory as they found it (`empty_like`), are not
   run;
+- a tensor of positions (`torch.arange`) not too large carries its contents, each element's
+  value, and so does the output of an operator run on known values whose elements differ:
+  transformers' packed-sequence check reads whether the positions it made run 0, 1, 2, ... (a
+  model trained with `use_cache=False`, as `gradient_checkpointing_enable` sets it, given no
+  attention mask), and the real step then drops the mask;
 - an operator that writes into a tensor forgets every value held in that tensor's storage, as
   does any operator of another library (a collective: its result is the other ranks' too), and
   a tensor given another storage (`set_`, `.data =`) carries no value any more;
@@ -33,15 +38,17 @@ So the simulation follows such values as the real step would compute them (`Know
   fake tensors would raise.
 
 And transformers is told that a fake boolean tensor carrying a value (a padding mask, as its mask
-code holds one) is not one it must trace around (`transformers_reads_known_values`: its
-`is_fake_tensor` is wrapped while a fake mode of autoshard's runs, and put back when the last one
-exits), so its mask code takes the real step's branch: a mask of all ones is dropped, one with
-padding is built, as they are for real.
+code holds one), or any tensor the step made whose values are known (not the batch's: its
+packed-sequence indices), is not one it must trace around (`transformers_reads_known_values`:
+its `is_fake_tensor` is wrapped while a fake mode of autoshard's runs, and put back when the last
+one exits), so its mask code takes the real step's branch: a mask of all ones is dropped, one
+with padding is built, as they are for real.
 
-A tensor whose values differ (token ids, positions, a padded mask) carries none, and every
-question asked of it goes as before: transformers builds the mask, a read-back raises. A batch
-moved to meta for a model on meta keeps the one value of each tensor that had one
-(`_batch.batch_for_meta`), so a what-if plan takes the same branch.
+A batch tensor whose values differ (token ids, positions given in the batch, a padded mask)
+carries none, nor does what is computed from it, and every question asked of it goes as before:
+transformers builds the mask, a read-back raises. A batch moved to meta for a model on meta keeps
+the one value of each tensor that had one (`_batch.batch_for_meta`), so a what-if plan takes the
+same branch.
 
 The plan is then the example batch's: where the step branched on a value of the batch's, it is
 noted (`Known.reads`, `ActivationProfile.batch_values_read`) and the plan says so, since a
@@ -69,12 +76,16 @@ from autoshard._torch_compat import (
 __all__ = ["KNOWN_NUMEL", "Known", "transformers_reads_known_values", "uniform_value"]
 
 aten = torch.ops.aten
-# The most elements of a tensor made full of one value for it to carry that value, and of an
-# operator's output for the operator to be run for real on known values (its arguments are
-# expanded scalars, which take no memory): a batch's mask or ids, not a tensor of activations. A
-# million int64 elements take 8 MiB of host memory, once. A larger output of an operator whose
-# value does not depend on the sizes is known all the same (`Known._follow_large`).
+# The most elements of a tensor made full of one value for it to carry that value, of a tensor
+# whose elements differ for it to carry its contents (positions made by `arange`, what is computed
+# from them), and of an operator's output for the operator to be run for real on known values
+# (its arguments are expanded scalars, or those contents): a batch's mask or a sequence's
+# positions, not a tensor of activations. A million int64 elements take 8 MiB of host memory
+# while the fake tensor holding them lives. A larger output of an operator whose value does not
+# depend on the sizes is known all the same (`Known._follow_large`).
 KNOWN_NUMEL = 1 << 20
+# Factories whose output's contents their arguments decide: positions
+_ARANGE = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
 # The operators run for real on known values: torch's own
 _RUN = frozenset({"aten", "prims"})
 # Operators that read a tensor's metadata only (`prim::device`, which `Tensor.to` asks)
@@ -134,7 +145,8 @@ class Known:
     """The values the fake tensors of one mode carry (the module's docstring)."""
 
     def __init__(self) -> None:
-        # fake tensor: (value, storage, whether the value comes from the example batch)
+        # fake tensor: (its one value, or its contents as a real CPU tensor where its elements
+        # differ; its storage; whether the value comes from the example batch)
         self._values = torch.utils.weak.WeakIdKeyDictionary()
         self._storages: set[int] = set()  # where values are held (some may be gone)
         # where the step branched on a value of the example batch, and what it read there
@@ -142,12 +154,18 @@ class Known:
         self.reads: dict[str, str] = {}
 
     def note(self, fake: Any, value: Any, from_batch: bool = False) -> None:
-        """`fake` carries `value` (None: nothing); `from_batch`: a value of the example batch's,
-        or computed from one."""
+        """`fake` carries `value` (None: nothing): one value, or its contents as a real tensor of
+        its shape (held as one value where its elements are all one; not held above
+        `KNOWN_NUMEL` elements). `from_batch`: a value of the example batch's, or
+        computed from one."""
         if value is None or not isinstance(fake, torch.Tensor) or fake.is_complex():
             return
+        if isinstance(value, torch.Tensor):
+            value = _contents_held(value, fake)
+            if value is None:
+                return
         key = _storage(fake)
-        held = _held(value, fake.dtype)
+        held = value if isinstance(value, torch.Tensor) else _held(value, fake.dtype)
         if key is not None and held is not None:
             self._values[fake] = (held, key, from_batch)
             self._storages.add(key)
@@ -158,8 +176,15 @@ class Known:
         return held is not None and held[2]
 
     def value(self, tensor: Any) -> bool | int | float | None:
-        """The value `tensor` carries, or None; none where its storage is no longer the one it
-        had (`set_`, `.data =`, which no operator's schema says it writes)."""
+        """The one value every element of `tensor` carries, or None (none known, or its
+        elements differ)."""
+        held = self.held(tensor)
+        return None if isinstance(held, torch.Tensor) else held
+
+    def held(self, tensor: Any) -> Any:
+        """What `tensor` carries: its one value, its contents (a real CPU tensor of its shape),
+        or None; none where its storage is no longer the one it had (`set_`, `.data =`, which
+        no operator's schema says it writes)."""
         if not self._values or not isinstance(tensor, torch.Tensor):
             return None
         held = self._values.get(tensor)
@@ -178,6 +203,9 @@ class Known:
     def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Note the value of what `func` made, where it is known; forget what it wrote over."""
         factory = _FACTORIES.get(func)
+        if func in _ARANGE:
+            self._follow_arange(func, args, kwargs, out)
+            return
         if factory is None and not self._values:
             return  # nothing carries a value: every operator of most steps passes here
         namespace = getattr(func, "namespace", None)
@@ -197,7 +225,7 @@ class Known:
             values: dict[int, Any] = {}
             batch = False
             for tensor in _tensors((args, kwargs)):
-                value = self.value(tensor)
+                value = self.held(tensor)
                 if value is None:
                     return  # an activation, a parameter: most operators stop here
                 values[id(tensor)] = value
@@ -214,15 +242,29 @@ class Known:
                     self.note(outputs[0], factory(args, kwargs))
             return
         if not small:
-            self._follow_large(func, args, kwargs, outputs, values, batch)
+            if not any(isinstance(v, torch.Tensor) for v in values.values()):
+                self._follow_large(func, args, kwargs, outputs, values, batch)
             return
         try:
             ran = _run_on_values(func, args, kwargs, values)
         except Exception:  # an operator the expanded values cannot run: nothing known
             return
         for fake, real in zip(outputs, _tensors(ran), strict=False):
-            if fake.shape == real.shape:
-                self.note(fake, uniform_value(real), batch)
+            self.note(fake, real, batch)
+
+    def _follow_arange(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """Positions (`arange`, of numbers, not of read-back tensors) carry their contents where
+        they are few enough to hold (`KNOWN_NUMEL`)."""
+        outputs = _tensors(out)
+        if len(outputs) != 1 or outputs[0].numel() > KNOWN_NUMEL or _tensors((args, kwargs)):
+            return
+        try:
+            ran = _run_on_values(func, args, kwargs, {})
+        except Exception:  # arguments the CPU cannot take: nothing known
+            return
+        self.note(outputs[0], ran)
 
     def _follow_large(
         self,
@@ -268,6 +310,20 @@ class Known:
         self._storages -= keys
 
 
+def _contents_held(real: torch.Tensor, fake: torch.Tensor) -> Any:
+    """What a fake tensor of `real`'s values carries: their one value where all are one, else
+    `real` itself (as `fake`'s dtype) where small enough to hold; None where neither."""
+    if real.shape != fake.shape:
+        return None
+    one = uniform_value(real)
+    if one is not None:
+        return one
+    if real.numel() > KNOWN_NUMEL or real.layout != torch.strided:
+        return None
+    with disable_current_modes():
+        return real.detach().to(fake.dtype)
+
+
 def _unknowable(func: Any) -> bool:
     """An operator whose output's values its inputs do not decide: a random draw, or memory
     left as it was found (`empty_like`)."""
@@ -298,6 +354,8 @@ def _run_on_values(
 
     def real(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
+            if isinstance(values[id(item)], torch.Tensor):  # contents: as they are
+                return values[id(item)]
             scalar = torch.tensor(values[id(item)], dtype=item.dtype)
             if one_element:
                 return scalar.reshape((1,) * item.dim())
@@ -313,22 +371,23 @@ def _run_on_values(
 
 
 def _mask_of_known_value(tensor: Any) -> bool:
-    """A fake boolean tensor that carries a value: a padding mask as transformers' mask code
-    holds it. Only masks: transformers also asks `is_tracing` of token ids and embeddings, to
-    guard reading other tensors the fake step does not know (`pad_token_id in input_ids[:, [-1,
-    0]]`), where answering no would make the step fail."""
+    """A fake boolean tensor that carries a value (a padding mask as transformers' mask code
+    holds it), or a tensor the step made whose values are known (positions, the packed-sequence
+    indices computed from them). Of the batch's, only masks: transformers also asks `is_tracing`
+    of token ids, to guard reading other tensors the fake step does not know (`pad_token_id in
+    input_ids[:, [-1, 0]]`), where answering no would make the step fail."""
     known = getattr(getattr(tensor, "fake_mode", None), "known", None)
-    if not (
-        isinstance(known, Known)
-        and getattr(tensor, "dtype", None) == torch.bool
-        and (value := known.value(tensor)) is not None
-    ):
+    if not isinstance(known, Known) or known.held(tensor) is None:
         return False
-    if known.from_batch(tensor):
-        from autoshard.measure.answers import asked_at  # answers holds the fake mode: no cycle
+    if not known.from_batch(tensor):
+        return True
+    value = known.value(tensor)
+    if value is None or getattr(tensor, "dtype", None) != torch.bool:
+        return False
+    from autoshard.measure.answers import asked_at  # answers holds the fake mode: no cycle
 
-        read = f"transformers' mask code found the attention mask all {str(bool(value)).lower()}"
-        known.reads.setdefault(asked_at(), read)
+    read = f"transformers' mask code found the attention mask all {str(bool(value)).lower()}"
+    known.reads.setdefault(asked_at(), read)
     return True
 
 
