@@ -135,6 +135,8 @@ SYMBOLS: dict[str, Symbol] = {
         name: Symbol(f"torch:ops.aten.{name}", "the FFT's copy of an input not laid out for it")
         for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r")
     },
+    # Graceful where absent: the CTC loss is refused by fake tensors (left to the formulas).
+    "_ctc_loss": Symbol("torch:ops.aten._ctc_loss", "the CTC loss's variables in the simulation"),
     # Graceful where absent: the simulation answers no yes/no read back (it fails as before).
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"
@@ -670,6 +672,15 @@ def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         elif argument.name in kwargs:
             written.append(kwargs[argument.name])
     return written
+
+
+def op_overloads(name: str, *overloads: str) -> tuple[Any, ...]:
+    """The `overloads` of operator `SYMBOLS[name]` this torch has (none without it)."""
+    try:
+        packet = resolve(name)
+    except MissingTorchSymbol:
+        return ()
+    return tuple(getattr(packet, o) for o in overloads if o in packet.overloads())
 
 
 def op_overload(name: str) -> Any:

@@ -116,7 +116,8 @@ def wider_fake_kernels(
     With `answers` (`ActivationProfile.answers`), a boolean read back from a fake tensor where
     the real step read it is answered as the real step answered it (`measure.answers`); with
     `found` (`ActivationProfile.nonzero_found`), `nonzero` finds where the real step ran it the
-    share of its input the real step found there.
+    share of its input the real step found there, and the CTC loss its longest target
+    (`answers.finding`).
 
     `torch._grouped_mm` (transformers 5 runs mixture-of-experts layers through it): its meta
     kernel in torch 2.13 requires bf16 inputs (the CUDA kernel's constraint), while the CPU
