@@ -216,6 +216,54 @@ def test_vit_embeddings_are_not_a_block() -> None:
     assert len(layers) == 2 and [n for n, _ in find_blocks(model)] == layers
 
 
+def test_a_decoder_with_cross_attention_checkpointed_by_layer_trains_as_unchecked() -> None:
+    """GPT-2 passes its KV cache to each block by position, and leaves it out only where its
+    model's own flag is set: checkpointed layer by layer, the cross-attention read its keys and
+    values from the cache in the recomputation and saved fewer tensors ("CheckpointError: ... A
+    different number of tensors was saved"), so that a vision encoder-decoder with a GPT-2
+    decoder raised "no candidate can train this model" with checkpointing on (a held-out
+    sweep). The gradients of a step equal those of the unchecked model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import autoshard
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        add_cross_attention=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "encoder_hidden_states": torch.randn(2, 8, 32, generator=generator),
+    }
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    reference = GPT2LMHeadModel(config)
+    reference.load_state_dict(model.state_dict())
+    prepared, _, plan = autoshard.prepare(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        batch,
+        mixed_precision="no",
+        activation_checkpointing=True,
+    )
+    assert plan.activation_checkpointing == plan.num_blocks == 2
+    for trained in (prepared, reference):
+        trained(**batch).loss.backward()
+    for (name, param), kept in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert param.grad is not None and kept.grad is not None, name
+        torch.testing.assert_close(param.grad, kept.grad, msg=name)
+
+
 def _assert_parity(hf: Launch, name: str, ranks: list[dict]) -> None:
     expected = hf.case("zoo_reference")[0][name]
     actual = _mean_losses(ranks)

@@ -6,7 +6,7 @@ what was applied; the simulation (`measure.simulate`) wraps its fake copy throug
 
 from __future__ import annotations
 
-import functools
+import sys
 from typing import Any
 
 import torch
@@ -24,19 +24,32 @@ def checkpoint_block(module: nn.Module) -> None:
     does it (`gradient_checkpointing_enable` with `use_reentrant=False`), for this layer only:
     while training, its checkpointed forward also drops the KV cache, whose update in the
     recomputation would make it save other tensors than the forward did (T5, Whisper:
-    "CheckpointError: ... A different number of tensors was saved"). Anything else gets torch's
-    composable `checkpoint` (hooks: the module tree and parameter names stay as they are)."""
+    "CheckpointError: ... A different number of tensors was saved"), a cache passed by position
+    too (`_checkpointed_without_cache`). Anything else gets torch's composable `checkpoint`
+    (hooks: the module tree and parameter names stay as they are)."""
     if is_transformers_layer(module):
-        from torch.utils.checkpoint import checkpoint as checkpointed
-
         setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
-        setattr(  # noqa: B010
-            module,
-            "_gradient_checkpointing_func",
-            functools.partial(checkpointed, use_reentrant=False),
-        )
+        setattr(module, "_gradient_checkpointing_func", _checkpointed_without_cache)  # noqa: B010
         return
     composable_checkpoint(module)
+
+
+def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
+    """transformers' checkpointed layer call (`function` the layer's forward, its keyword
+    arguments bound): torch's non-reentrant checkpoint, with any KV cache among the arguments by
+    position left out, as the layer leaves out one given by keyword. GPT-2 passes its cache by
+    position and leaves it out only where its model's own flag is set
+    (`gradient_checkpointing_enable`), not a layer's: the cross-attention's keys and values,
+    read from the cache in the recomputation, were not saved again ("CheckpointError: ... A
+    different number of tensors was saved"; a vision encoder-decoder with a GPT-2 decoder could
+    not be checkpointed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache = getattr(cache_utils, "Cache", None)
+    if cache is not None:
+        args = tuple(None if isinstance(arg, cache) else arg for arg in args)
+    return checkpoint(function, *args, use_reentrant=False)
 
 
 def is_transformers_layer(module: nn.Module) -> bool:
