@@ -822,6 +822,40 @@ def tracker_frozen_safe(tracker: Any) -> Any:
 _PEAK_FIELDS = ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
 
 
+def tracker_frees_cut_branches(tracker: Any) -> Any:
+    """`tracker`, made to free what a forward cuts from the loss as the real step does.
+
+    torch's module tracker hooks each module's inputs for backward (`register_multi_grad_hook`,
+    mode "all"), whose hook keeps the inputs' autograd nodes to count them when backward starts:
+    each node then holds a hook that holds it, a cycle, and the graph behind it is freed at the
+    step's end, not when nothing needs it any more. A forward that cuts a branch from the loss
+    (a quantizer's `argmin` with no straight-through path, a teacher's output detached) freed it
+    at once in the real step and kept it to the end in the simulation: an audio codec's estimate
+    read 110% above its allocator's peak, a reduced quantizer's 36%. Here the input hooks are
+    registered in mode "any" (the first gradient to reach a module's inputs ends its backward,
+    not the last): they keep no node. autoshard reads the tracker's totals and categories,
+    which do not depend on where a module's backward is taken to end."""
+    modules: Any = getattr(tracker, "_mod_tracker", None)
+    original = getattr(modules, "_fw_pre_hook", None)
+    module: Any = sys.modules.get(type(modules).__module__)  # where its hook finds it
+    register = getattr(module, "register_multi_grad_hook", None)
+    if original is None or register is None:
+        return tracker  # a torch whose trackers differ: a cut branch is held as before
+
+    def any_input(tensors: Any, fn: Any, *, mode: str = "all") -> Any:
+        return register(tensors, fn, mode="any")
+
+    def pre_hook(mod: torch.nn.Module, inputs: Any) -> Any:
+        module.register_multi_grad_hook = any_input
+        try:
+            return original(mod, inputs)
+        finally:
+            module.register_multi_grad_hook = register
+
+    modules._fw_pre_hook = pre_hook
+    return tracker
+
+
 def tracker_global_peak_only(
     tracker: Any, observe: Callable[[dict[Any, dict[Any, int]]], None] | None = None
 ) -> bool:

@@ -138,6 +138,65 @@ def test_frozen_parameters_are_simulated_under_ddp_with_gradients_for_the_traina
 
 
 # ---------------------------------------------------------------------------------------------
+# A branch the forward cuts from the loss
+
+
+class _Quantized(nn.Module):
+    """An encoder whose output is quantized by `argmax` over a codebook, with no straight-through
+    path (an audio codec's quantizer): the encoder's graph is cut from the loss, and the real
+    step frees its saved activations as soon as the codes are made."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.codebook = nn.Embedding(32, width)
+        self.decoder = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.encoder:
+            h = h + F.gelu(layer(h))
+        h = self.codebook((h @ self.codebook.weight.T).argmax(-1))
+        for layer in self.decoder:
+            h = h + F.gelu(layer(h))
+        return (h - x).square().mean()
+
+
+@pytest.mark.parametrize("checkpointed", [0, 6])
+def test_a_branch_cut_from_the_loss_is_freed_in_the_simulation_as_in_the_real_step(
+    checkpointed: int,
+) -> None:
+    """torch's module tracker kept every module's input nodes, and with them the cut branch, to
+    the end of the simulated step: 33% above the allocator's peak, 58% with every block
+    checkpointed (an audio codec: 110%)."""
+    torch.manual_seed(0)
+    model = _Quantized()
+    _, _, plan = autoshard.prepare(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        torch.randn(4, 256, 64),
+        mixed_precision="no",
+        activation_checkpointing=checkpointed,
+    )
+    assert "estimates from simulated steps" in " ".join(plan.reasons), plan.reasons
+    assert plan.measured_peak_bytes is not None
+    error = plan.estimated_peak_bytes / plan.measured_peak_bytes - 1
+    assert abs(error) < 0.01, (plan.estimated_peak_bytes, plan.measured_peak_bytes)
+
+
+def test_a_branch_cut_from_the_loss_saves_nothing_for_backward_in_the_trace() -> None:
+    """The trace kept the nodes that start each block's backward, and with them the cut branch's
+    saved tensors (the formulas' activations: an audio codec planned by formula read 99% above
+    its allocator's peak, now 20%)."""
+    model = _Quantized()
+    blocks = [m for _, m in find_blocks(model)]
+    assert len(blocks) == 6  # 4 in the encoder, cut from the loss, and 2 in the decoder
+    profile = profile_step(model, blocks, torch.randn(4, 256, 64), None, None)
+    assert profile.block_saved_bytes[:4] == (0, 0, 0, 0)
+    assert all(saved > 0 for saved in profile.block_saved_bytes[4:])
+
+
+# ---------------------------------------------------------------------------------------------
 # A forward fake tensors cannot run: measured on real tensors
 
 

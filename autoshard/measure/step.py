@@ -15,6 +15,7 @@ from torch import nn
 from autoshard._batch import call_model, compute_loss, tensors_in
 from autoshard._torch_compat import (
     mem_trackers,
+    tracker_frees_cut_branches,
     tracker_frozen_safe,
     tracker_global_peak_only,
     tracker_reset_peak,
@@ -268,8 +269,10 @@ def _first_step(model: nn.Module, optimizer: torch.optim.Optimizer, keep_grads: 
 
 def frozen_safe(tracker: Any) -> Any:
     """`tracker`, made to track models with frozen parameters (LoRA, frozen embeddings): its
-    gradient hooks go on trainable parameters only (`_torch_compat.tracker_frozen_safe`)."""
-    return tracker_frozen_safe(tracker)
+    gradient hooks go on trainable parameters only (`_torch_compat.tracker_frozen_safe`); and to
+    free a branch the forward cuts from the loss when the real step does
+    (`_torch_compat.tracker_frees_cut_branches`)."""
+    return tracker_frees_cut_branches(tracker_frozen_safe(tracker))
 
 
 def total(source: Any, kind: str = "") -> int:

@@ -72,7 +72,10 @@ class Traffic(TorchDispatchMode):
         self.backward_kernels = [0] * n_blocks
         self.since = (0, 0)  # the figures where the last block ended
         self.backward_in: int | None = None  # the block whose backward runs now
-        self.marked: set[Any] = set()  # autograd nodes that start a block's backward
+        # the key of this mode's mark on the autograd nodes that start a block's backward (in
+        # each node's own `metadata`: a set of the nodes would keep alive a graph the forward
+        # drops, a branch cut from the loss, and the saved tensors behind it)
+        self.mark_key = f"autoshard.traffic.{id(self)}"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -123,13 +126,15 @@ class Traffic(TorchDispatchMode):
         """Autograd reaching `outputs` starts block `index`'s backward."""
         for tensor in tensors_in(outputs):
             node = tensor.grad_fn
-            if node is not None and node not in self.marked:
-                self.marked.add(node)
+            if node is None:
+                continue
+            marks: Any = node.metadata  # a dict (torch's stub declares a method)
+            if self.mark_key not in marks:
+                marks[self.mark_key] = True
                 node.register_prehook(lambda grads, index=index: self._backward_of(index))
 
     def _backward_of(self, index: int) -> None:
         self.backward_in = index
 
     def done(self) -> None:
-        self.marked.clear()
         self.backward_in = None
