@@ -137,6 +137,18 @@ SYMBOLS: dict[str, Symbol] = {
     },
     # Graceful where absent: the CTC loss is refused by fake tensors (left to the formulas).
     "_ctc_loss": Symbol("torch:ops.aten._ctc_loss", "the CTC loss's variables in the simulation"),
+    # Graceful where absent: the kernel's copy of an input not laid out for it is not probed.
+    **{
+        name: Symbol(f"torch:ops.aten.{name}", "a kernel's copy of an input not laid out for it")
+        for name in (
+            "_softmax",
+            "_log_softmax",
+            "_softmax_backward_data",
+            "_log_softmax_backward_data",
+            "_fused_rms_norm",
+            "_fused_rms_norm_backward",
+        )
+    },
     # Graceful where absent: the simulation answers no yes/no read back (it fails as before).
     "_local_scalar_dense": Symbol(
         "torch:ops.aten._local_scalar_dense", "the real step's yes/no answers in the simulation"

@@ -366,6 +366,29 @@ def test_a_batch_norm_s_fake_output_is_laid_out_as_the_real_one() -> None:
             assert layer(mode.from_tensor(x)).stride() == real_strides
 
 
+def test_layer_norm_s_and_log_softmax_s_fake_gradients_are_laid_out_as_the_real_ones() -> None:
+    """Their CPU kernels give the input's gradient contiguous for a transposed input; the fake
+    kernels kept the input's strides (wav2vec2's "layer" feature encoder then held a gradient
+    fewer in the simulation than for real: `test_workspace`)."""
+    from autoshard.measure.fake import fake_mode
+
+    def gradient(base: torch.Tensor, op: str) -> tuple[int, ...]:
+        x = (base * 1).transpose(1, 2)  # (2, 16, 8), strided
+        strides = []
+        x.register_hook(lambda grad: strides.append(grad.stride()))
+        weight = torch.ones(8, requires_grad=True)
+        out = F.layer_norm(x, (8,), weight) if op == "layer_norm" else F.log_softmax(x, -1)
+        # transposed back: the output's gradient is strided too
+        (out.transpose(1, 2) * torch.arange(16, dtype=out.dtype)).sum().backward()
+        return strides[0]
+
+    for op in ("layer_norm", "log_softmax"):
+        base = torch.randn(2, 8, 16)
+        real = gradient(base.clone().requires_grad_(True), op)
+        with wider_fake_kernels("cpu"), fake_mode() as mode:
+            assert gradient(mode.from_tensor(base).requires_grad_(True), op) == real, op
+
+
 # Normalisation statistics under autocast on CPU
 
 
