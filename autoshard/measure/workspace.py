@@ -300,10 +300,11 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
         and any(isinstance(a, torch.Tensor) and a.dtype in REDUCED for a in args)
     ):
         return True
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if func in CONTIGUOUS_COPIES and any(not dense(t) for t in tensors):
+    if func in CONTIGUOUS_COPIES and any(
+        isinstance(a, torch.Tensor) and not dense(a) for a in args
+    ):
         return True
-    return any(expanded(t) for t in tensors) and copies_expanded(func)
+    return any(isinstance(a, torch.Tensor) and expanded(a) for a in args) and copies_expanded(func)
 
 
 def dense(x: torch.Tensor) -> bool:
