@@ -213,7 +213,9 @@ def test_a_block_recomputed_in_backward_runs_on_the_traced_parameters(real: bool
     profile = trace.profile_step(model, blocks, torch.randn(8, 32), None, None, real=real)
     assert profile.unused_parameters == ()
     assert all(p.grad is None for p in model.parameters())
-    assert all(nbytes > 0 for nbytes in profile.block_input_bytes)
+    # the first block takes the batch, counted as the batch (`_Attribution.took`)
+    assert profile.block_input_bytes[0] == 0
+    assert all(nbytes > 0 for nbytes in profile.block_input_bytes[1:])
 
 
 @functools.cache
@@ -292,3 +294,42 @@ def test_a_storage_taking_a_freed_one_s_key_is_counted(monkeypatch: pytest.Monke
     kept.append(attribution.pack(large[:8]))  # a view of the same storage, alive: counted once
     attribution.forward_done()
     assert attribution.saved_by(0) == large.untyped_storage().nbytes()
+
+
+class _Biased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + bias
+
+
+class _SharedBias(nn.Module):
+    """A position bias made once and given to every block (MPNet's relative attention bias, a
+    mask, an encoder's output to each decoder block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 32)
+        self.bias = nn.Parameter(torch.zeros(64, 32))
+        self.blocks = nn.ModuleList(_Biased() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        bias = self.bias * 2
+        for block in self.blocks:
+            x = block(x, bias)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
+def test_an_input_every_block_takes_is_kept_once(real: bool) -> None:
+    """Checkpointed blocks keep their inputs; one every block takes is one tensor: counted in the
+    first block's inputs only. Counted in each, it made a checkpointed block's inputs outweigh
+    its saved activations (MPNet's relative attention bias, 9 of 24 MB per block)."""
+    model = _SharedBias()
+    batch = torch.randn(64, 32)
+    profile = trace.profile_step(model, list(model.blocks), batch, None, None, real=real)
+    hidden = 64 * 32 * 4
+    assert profile.block_input_bytes == (2 * hidden, hidden, hidden)

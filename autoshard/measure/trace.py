@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -63,6 +63,9 @@ class _Attribution:
         self.owner: dict[int, int | str] = {}
         self.nbytes: dict[int, int] = {}
         self.inputs = [0] * n_blocks
+        # the storages blocks took as inputs: a tensor of each, alive while it is (a storage
+        # freed may leave its key to another)
+        self.taken: dict[int, weakref.ref[torch.Tensor]] = {}
         # the tensors saved of each storage counted: a storage whose saved tensors are all gone
         # was freed (a branch whose graph forward dropped: routing scores reduced to indices),
         # and a later storage may take its address, its key (DeepSeek-V3's blocks then went
@@ -98,6 +101,24 @@ class _Attribution:
                 self.owner.pop(key, None)
                 self.nbytes.pop(key, None)
         self.closed = True
+
+    def took(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
+        """Block `index` was called with `tensors`: its floating inputs are what it keeps when
+        checkpointed. A storage another block took too (a mask, a position bias, an encoder's
+        output for every decoder block), the batch's and the parameters' count once, where
+        first taken, or not at all."""
+        for tensor in tensors:
+            if not tensor.is_floating_point():
+                continue
+            storage = tensor.untyped_storage()
+            key = storage_key(storage)
+            if key in self.existing:
+                continue
+            taken = self.taken.get(key)
+            if taken is not None and taken() is not None:
+                continue
+            self.taken[key] = weakref.ref(tensor)
+            self.inputs[index] += storage.nbytes()
 
     def enter(self, index: int) -> None:
         self.current = index
@@ -445,11 +466,7 @@ def _attribution_hooks(
             if attribution.closed:  # a checkpoint's recomputation, in backward
                 return  # (the block's forward figures were taken in forward)
             attribution.enter(index)
-            attribution.inputs[index] += sum(
-                t.untyped_storage().nbytes()
-                for t in tensors_in((args, kwargs))
-                if t.is_floating_point()
-            )
+            attribution.took(index, tensors_in((args, kwargs)))
             block_flops[index] -= counter.get_total_flops()  # += at its end: each call's
             traffic.enter(index)
 
