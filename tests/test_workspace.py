@@ -453,14 +453,21 @@ def _rotation() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _real_and_simulated(
-    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], batch: torch.Tensor
+    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+    batch: torch.Tensor,
+    checkpointed: bool = False,
 ) -> tuple[int, int]:
     """The allocator's peak over real steps 2 and 3 of the model `build` makes (counted from
     before it exists), and the simulated peak of its plan unwrapped, tensors only. The model
-    returns its loss."""
+    returns its loss. With `checkpointed`, every block of `model.blocks` is checkpointed, in
+    the real steps as the plan asks."""
+    from autoshard.strategies.engines import checkpoint_block
+
     gc.collect()
     with AllocatorProfile() as prof:
         model, optimizer = build()
+        for block in model.blocks if checkpointed else ():
+            checkpoint_block(block)
         for step in range(3):  # the first creates AdamW's state
             with prof.window(f"step{step}"):
                 model(batch).backward()
@@ -473,7 +480,7 @@ def _real_and_simulated(
     model, optimizer = build()
     plan = autoshard.plan(
         model, optimizer, batch, loss_fn=lambda out, batch: out, strategy="local",
-        mixed_precision="no",
+        mixed_precision="no", activation_checkpointing=checkpointed,
     )  # fmt: skip
     footprint = plan.chosen.footprint
     return real, footprint.peak - footprint.overheads - footprint.workspace

@@ -356,8 +356,6 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     grads = -(-stats.trainable_bytes // n)
     optimizer_state = -(-stats.optimizer_bytes // n)
     activations = stats.input_bytes
-    if profile is not None:
-        activations += profile.activation_bytes(s.checkpointed)
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself,
     # and at least as much as the trace's backward rose above where it began; where gradients
@@ -368,6 +366,15 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         into_buffers = recipe(s.strategy).engine is Engine.DDP or s.accumulation_steps > 1
         rise = profile.rise_into_buffers_bytes if into_buffers else profile.backward_rise_bytes
         backward_temp = max(2 * profile.largest_saved_bytes, rise)
+        saved = profile.activation_bytes(s.checkpointed)
+        within = profile.checkpointed_backward(s.checkpointed, into_buffers)
+        if within is not None:
+            # the head's and the unchecked blocks' backward, from all forward kept; or a
+            # checkpointed block's, its saved activations recomputed, with what it holds
+            saved = profile.kept_bytes(s.checkpointed)
+            if sum(within) > saved + backward_temp:
+                saved, backward_temp = within
+        activations += saved
     in_backward = _grads_in_backward(stats, s, grads)
     backward = (
         params,

@@ -96,6 +96,16 @@ class ActivationProfile:
         rise_into_buffers_bytes: the same where each parameter's gradient is summed into a
             buffer that holds it already (DDP's buckets, a micro-batch after the first): each
             gradient made, then freed once summed, counted from its making to its summing.
+        block_checkpointed_bytes: for each block, the most it holds when checkpointed, beyond
+            what is saved before the blocks and the inputs of the blocks before it: while its
+            forward runs again, its input, the gradient reaching it (what backward made and
+            holds then) and what its forward makes (saved, temporaries, output); then in its
+            backward, its saved activations and what the backward holds beside them (the
+            gradients of its activations, the formulas' temporaries, less its saved
+            activations freed meanwhile: `rise.BackwardRise`). Empty in a profile made without
+            it.
+        block_checkpointed_into_buffers_bytes: the same where each parameter's gradient is
+            summed into a buffer, counted from its making to its summing.
         block_forward_flops: forward FLOPs of each block.
         total_forward_flops: forward FLOPs of the whole model and loss.
         compute_dtype: the dtype the trace ran in (autocast when mixed precision is on).
@@ -164,6 +174,8 @@ class ActivationProfile:
     moving_calls: tuple[MovingCall, ...] = ()
     backward_rise_bytes: int = 0
     rise_into_buffers_bytes: int = 0
+    block_checkpointed_bytes: tuple[int, ...] = ()
+    block_checkpointed_into_buffers_bytes: tuple[int, ...] = ()
 
     @property
     def other_saved_bytes(self) -> int:
@@ -180,16 +192,49 @@ class ActivationProfile:
         and block j's recomputed saved tensors. The peak is the larger of that and the end of
         forward.
         """
-        saved = self.other_saved_bytes + sum(self.block_saved_bytes)
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
         if k == 0:
-            return saved
-        dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
+            return self.kept_bytes(0)
         recompute = max(
             self.before_saved_bytes + sum(self.block_input_bytes[:j]) + self.block_saved_bytes[j]
             for j in range(k)
         )
-        return max(saved - dropped, recompute)
+        return max(self.kept_bytes(k), recompute)
+
+    def kept_bytes(self, checkpointed: int) -> int:
+        """Bytes saved at the end of forward with the first `checkpointed` blocks checkpointed:
+        those blocks keep only their inputs."""
+        k = min(max(checkpointed, 0), len(self.block_saved_bytes))
+        dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
+        return self.other_saved_bytes + sum(self.block_saved_bytes) - dropped
+
+    def checkpointed_backward(
+        self, checkpointed: int, into_buffers: bool
+    ) -> tuple[int, int] | None:
+        """The peak of the checkpointed blocks' recomputation and backward with the first
+        `checkpointed` blocks checkpointed, as (saved activations alive, the rest: the
+        gradients, temporaries); None where no block is checkpointed or the profile has no
+        block's figures. When checkpointed block j runs again, alive are the tensors saved
+        before the blocks, the inputs of blocks 0..j-1 and what block j holds
+        (`block_checkpointed_bytes`, or with `into_buffers` the same with each parameter's
+        gradient until summed into its buffer), its own saved activations first."""
+        held = (
+            self.block_checkpointed_into_buffers_bytes
+            if into_buffers
+            else self.block_checkpointed_bytes
+        )
+        k = min(max(checkpointed, 0), len(self.block_saved_bytes))
+        if k == 0 or len(held) != len(self.block_saved_bytes):
+            return None
+        before = (self.before_saved_bytes + sum(self.block_input_bytes[:j]) for j in range(k))
+        moments = (
+            (
+                alive + min(self.block_saved_bytes[j], held[j]),
+                max(0, held[j] - self.block_saved_bytes[j]),
+            )
+            for j, alive in enumerate(before)
+        )
+        return max(moments, key=sum)
 
     def recompute_flops(self, checkpointed: int) -> int:
         return sum(self.block_forward_flops[: max(checkpointed, 0)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -322,7 +323,8 @@ def _profile(
     prefixes = tuple(f"{name}." for name in kept)
     if any(name.startswith(prefixes) for name in profile.unused_parameters):
         return whole()
-    return _kept(extended(profile, names, found.source(SHALLOW[0])))
+    sources = found.source(SHALLOW[0]), found.source(SHALLOW[0], backward=True)
+    return _kept(extended(profile, names, *sources))
 
 
 def _kept(profile: ActivationProfile) -> ActivationProfile:
@@ -583,7 +585,21 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         unlike_blocks=largest.unlike_blocks or unlike,
         backward_rise_bytes=max(p.backward_rise_bytes for p in known),
         rise_into_buffers_bytes=max(p.rise_into_buffers_bytes for p in known),
+        block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
+        block_checkpointed_into_buffers_bytes=_most(
+            p.block_checkpointed_into_buffers_bytes for p in known
+        ),
     )
+
+
+def _most(figures: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """Each block's largest figure over the ranks' profiles; none where their blocks differ in
+    number, or one has none (the formulas then count the checkpointed blocks' backward as
+    before these figures, `ActivationProfile.checkpointed_backward`)."""
+    each = list(figures)
+    if len({len(f) for f in each}) != 1:
+        return ()
+    return tuple(max(block) for block in zip(*each, strict=True))
 
 
 def forced_checkpointing(request: Request, num_blocks: int) -> int | None:

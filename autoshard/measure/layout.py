@@ -94,20 +94,34 @@ class Layout:
             stretch.label(i, k) for stretch in self.stretches for i in range(len(stretch.kept(k)))
         ]
 
-    def source(self, k: int) -> dict[str, str]:
+    def source(self, k: int, backward: bool = False) -> dict[str, str]:
         """For each block of the model, the block of the copy with k periods that stands for it:
-        itself where kept, else the same position of the copy's last period."""
+        itself where kept, else the same position of the copy's last period.
+
+        With `backward`, for what a block's backward holds, which depends on what runs after
+        it (the gradient of a tensor every block takes, summed over the blocks after it: an
+        encoder's output in each decoder block): the model's last period and tail stand for
+        themselves in the copy's, and every period between its first k-1 and its last by the
+        same position of the copy's second-last period, which blocks follow there too (k >= 2).
+        """
         found: dict[str, str] = {}
         for stretch in self.stretches:
             kept = stretch.kept(k)
             last = stretch.lead + (k - 1) * stretch.period
+            model_last = stretch.lead + (stretch.periods - 1) * stretch.period
+            moved = backward and stretch.periods > k  # else the copy keeps the whole list
             for i, name in enumerate(stretch.names):
-                if i < stretch.lead + k * stretch.period:
-                    found[name] = name
-                elif i >= len(stretch.names) - stretch.tail:  # the tail: kept at the copy's end
+                position = (i - stretch.lead) % stretch.period
+                if i >= len(stretch.names) - stretch.tail:  # the tail: kept at the copy's end
                     found[name] = kept[i - len(stretch.names) + len(kept)]
+                elif moved and i >= model_last:
+                    found[name] = kept[last + position]
+                elif moved and i >= last:
+                    found[name] = kept[last - stretch.period + position]
+                elif i < stretch.lead + k * stretch.period:
+                    found[name] = name
                 else:
-                    found[name] = kept[last + (i - stretch.lead) % stretch.period]
+                    found[name] = kept[last + position]
         return found
 
 

@@ -14,8 +14,9 @@ What is measured:
 - the bytes read and written by the operators without a FLOP formula, and the operators run
   (`traffic.Traffic`), per block and whole, forward and backward: the memory-bound and the
   launch-bound parts of the modelled step;
-- how far backward rises above where it began (`rise.BackwardRise`), for the formulas'
-  temporaries;
+- how far backward rises above where it began, and what each block holds in its forward and its
+  backward (`rise.BackwardRise`): the formulas' temporaries, and what a checkpointed block holds
+  when it runs again in backward;
 - the forward's FLOP-bound calls, each with its arguments' shapes and where it ran
   (`measure.priced`): what `measure.rates` runs again on the device for the model's own FLOP/s.
 """
@@ -192,11 +193,6 @@ def profile_step(
     existing = {
         storage_key(t.untyped_storage()) for t in [*state.values(), *tensors_in(fake_batch)]
     }
-    made = BackwardRise()
-    hooks = [
-        t.register_post_accumulate_grad_hook(made.gradient)
-        for t in {id(t): t for t in state.values() if t.requires_grad}.values()
-    ]
     attribution = _Attribution(len(blocks), existing)
     block_flops = [0] * len(blocks)
     formulas = FlopFormulas()
@@ -204,6 +200,11 @@ def profile_step(
     counter = FlopCounterMode(display=False, custom_mapping=priced)
     counter.mod_tracker = _TotalsOnly()  # type: ignore[assignment]
     traffic = Traffic(len(blocks), frozenset(priced), counter.get_total_flops)
+    made = BackwardRise(lambda: traffic.block if traffic.in_forward else traffic.backward_in)
+    hooks = [
+        t.register_post_accumulate_grad_hook(made.gradient)
+        for t in {id(t): t for t in state.values() if t.requires_grad}.values()
+    ]
     handles = _attribution_hooks(blocks, attribution, counter, block_flops, traffic)
     device_type = device_type_of(model, None if real else device)
     autocast = autocast_for(device_type, None if cast else autocast_dtype)
@@ -256,6 +257,8 @@ def profile_step(
         largest_saved_bytes=max(sizes, default=0),
         backward_rise_bytes=made.rise(),
         rise_into_buffers_bytes=made.rise_into_buffers(),
+        block_checkpointed_bytes=_checkpointed(made, attribution, len(blocks), False),
+        block_checkpointed_into_buffers_bytes=_checkpointed(made, attribution, len(blocks), True),
         block_forward_flops=tuple(block_flops),
         total_forward_flops=taken["flops"],
         compute_dtype=autocast_dtype or _param_dtype(model),
@@ -332,6 +335,10 @@ def profile_scaled(
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
         backward_rise_bytes=line(one.backward_rise_bytes, two.backward_rise_bytes),
         rise_into_buffers_bytes=line(one.rise_into_buffers_bytes, two.rise_into_buffers_bytes),
+        block_checkpointed_bytes=lines(one.block_checkpointed_bytes, two.block_checkpointed_bytes),
+        block_checkpointed_into_buffers_bytes=lines(
+            one.block_checkpointed_into_buffers_bytes, two.block_checkpointed_into_buffers_bytes
+        ),
         block_forward_flops=lines(one.block_forward_flops, two.block_forward_flops),
         total_forward_flops=line(one.total_forward_flops, two.total_forward_flops),
         answers=tuple(agreed([dict(one.answers), dict(two.answers)]).items()),
@@ -347,6 +354,25 @@ def profile_scaled(
         moving_calls=(),
     )  # operators run: as at two rows (a row more runs the same kernels, only larger)
     return scaled, f"measured on real tensors at 1 and 2 of its {rows} rows and scaled"
+
+
+def _checkpointed(
+    made: BackwardRise, attribution: _Attribution, n_blocks: int, into_buffers: bool
+) -> tuple[int, ...]:
+    """For each block, the most it would hold checkpointed beyond what is saved before the
+    blocks and the inputs of those before it (`ActivationProfile.block_checkpointed_bytes`):
+    while its forward runs again, its input, the gradient reaching it and what its forward
+    made; then in its backward, its saved activations and what the backward holds beside
+    them."""
+    start, held = made.held_in_blocks(n_blocks, into_buffers)
+    recomputed = made.forward_held(n_blocks)
+    return tuple(
+        max(
+            attribution.inputs[i] + start[i] + recomputed[i],
+            attribution.saved_by(i) + held[i],
+        )
+        for i in range(n_blocks)
+    )
 
 
 def _both(
@@ -505,22 +531,28 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
 
 
 def extended(
-    profile: ActivationProfile, block_names: list[str], source: dict[str, str]
+    profile: ActivationProfile,
+    block_names: list[str],
+    source: dict[str, str],
+    backward_source: dict[str, str] | None = None,
 ) -> ActivationProfile:
     """The profile of the model whose blocks are `block_names`, from one traced with some of
     them (`source` maps each block to the traced block that stands for it, `layout.Layout.source`;
-    a traced block keeps its name): every block saves, takes and computes what its source did.
-    Every traced block's parameters must have had a gradient (`facts._profile` traces the whole
-    model otherwise): the unused ones are the rest of the model's, as traced."""
+    a traced block keeps its name): every block saves, takes and computes what its source did,
+    and holds in its backward what its `backward_source` did (`layout.Layout.source`'s
+    `backward`; default `source`). Every traced block's parameters must have had a gradient
+    (`facts._profile` traces the whole model otherwise): the unused ones are the rest of the
+    model's, as traced."""
     traced = list(dict.fromkeys(source[n] for n in block_names))  # the traced blocks, in order
     if len(traced) == len(block_names):
         return profile
     at = {name: i for i, name in enumerate(traced)}
+    backward_source = backward_source or source
 
-    def each(traced_figures: tuple[int, ...]) -> tuple[int, ...]:
+    def each(traced_figures: tuple[int, ...], by: dict[str, str] = source) -> tuple[int, ...]:
         if not traced_figures:  # a profile made without the figure
             return ()
-        return tuple(traced_figures[at[source[n]]] for n in block_names)
+        return tuple(traced_figures[at[by[n]]] for n in block_names)
 
     def whole(total: int, traced_figures: tuple[int, ...]) -> int:
         return total + sum(each(traced_figures)) - sum(traced_figures)
@@ -529,6 +561,10 @@ def extended(
         profile,
         block_saved_bytes=each(profile.block_saved_bytes),
         block_input_bytes=each(profile.block_input_bytes),
+        block_checkpointed_bytes=each(profile.block_checkpointed_bytes, backward_source),
+        block_checkpointed_into_buffers_bytes=each(
+            profile.block_checkpointed_into_buffers_bytes, backward_source
+        ),
         block_forward_flops=each(profile.block_forward_flops),
         total_forward_flops=whole(profile.total_forward_flops, profile.block_forward_flops),
         block_forward_traffic=each(profile.block_forward_traffic),
