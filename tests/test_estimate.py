@@ -99,6 +99,8 @@ HAND = {
     ),
 }
 FACTORIES = {"uniform": uniform_net, "uneven": uneven_net}
+# The head's outputs: the loss sums them (saving nothing), and the caller's loop holds them
+OUTPUTS = {"uniform": 8, "uneven": 4}
 
 
 def measure(name: str) -> tuple[ModelStats, ActivationProfile]:
@@ -207,6 +209,8 @@ def hand_phases(
     grads_all = ceil_div(trainable_bytes, shards)  # fp32 grads of trainable params only
     # AdamW's state (checked by hand in test_model_stats_against_hand_sizes), sharded alike
     optimizer_state = ceil_div(stats.optimizer_bytes, shards)
+    # the batch, and the output the caller's loop holds through backward and the step
+    held = stats.input_bytes + BATCH * OUTPUTS[name] * FP32
     if strategy == Strategy.DDP:
         grads_in_backward = grads_all  # bucket views: all of them exist from construction
     elif strategy in SHARDED:
@@ -221,7 +225,7 @@ def hand_phases(
         params,
         grads_in_backward,
         optimizer_state,
-        stats.input_bytes + profile.activation_bytes(checkpointed),  # the batch + saved tensors
+        held + profile.activation_bytes(checkpointed),  # the batch, the output, saved tensors
         hand_comm(name, strategy),  # gathered params + grads waiting for reduce-scatter
         2 * profile.largest_saved_bytes,  # the largest saved tensor's gradient next to it
     )
@@ -229,7 +233,7 @@ def hand_phases(
         params,
         grads_all,  # every gradient is alive at the step
         optimizer_state,
-        stats.input_bytes,  # activations are freed by then; the caller's loop holds the batch
+        held,  # activations are freed by then; the caller's loop holds the batch and output
         0,  # and so are the gathered parameters
         grads_all,  # AdamW (foreach): one grad-sized list of intermediates
     )
@@ -302,8 +306,8 @@ def test_the_phase_that_peaks(
     if PEAK_PHASE[strategy] == "step":
         assert sum(step) > sum(backward)
         assert terms_of(fp) == step
-        # the activations freed before the step, the batch still held
-        assert fp.activations == stats.input_bytes and fp.comm_buffers == 0
+        # the activations freed before the step, the batch and the output still held
+        assert fp.activations == step[3] and fp.comm_buffers == 0
     else:
         assert sum(backward) > sum(step)
         assert terms_of(fp) == backward
@@ -538,7 +542,8 @@ def test_activations_fall_as_blocks_are_checkpointed_down_to_the_recompute_floor
         # theirs): what was saved before the blocks, the inputs of blocks 0..j-1 and block j's
         # saved tensors; the worst j is the last, k-1.
         recompute = before + (k - 1) * kept + saved if k else 0
-        expected = stats.input_bytes + max(forward_end, recompute)  # + the batch
+        # + the batch and the output the loop holds
+        expected = stats.input_bytes + profile.output_bytes + max(forward_end, recompute)
         assert fp.activations == expected, k
         values.append(fp.activations)
     # Strictly falling all the way: each checkpointed block drops (saved - kept) at the end of
@@ -549,7 +554,7 @@ def test_activations_fall_as_blocks_are_checkpointed_down_to_the_recompute_floor
     # inputs of the n - 1 blocks before it, more than the end of forward keeps (the head's input
     # and n inputs).
     assert before + (n - 1) * kept + saved > other + n * kept
-    assert values[n] == stats.input_bytes + before + (n - 1) * kept + saved
+    assert values[n] == stats.input_bytes + profile.output_bytes + before + (n - 1) * kept + saved
     # These are the activations at the peak for every k: FULL_SHARD at N = 2 peaks in backward,
     # whose fixed terms (params 17_328 + optim 34_694 + comm 25_840 + temp 4_096 = 81_958) plus
     # the floor's 8_704 bytes exceed the step (17_328 + 2 * 17_328 grads/foreach + 34_694).

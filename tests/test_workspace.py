@@ -456,11 +456,13 @@ def _real_and_simulated(
     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
     batch: torch.Tensor,
     checkpointed: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] = lambda out, batch: out,
 ) -> tuple[int, int]:
     """The allocator's peak over real steps 2 and 3 of the model `build` makes (counted from
-    before it exists), and the simulated peak of its plan unwrapped, tensors only. The model
-    returns its loss. With `checkpointed`, every block of `model.blocks` is checkpointed, in
-    the real steps as the plan asks."""
+    before it exists), and the simulated peak of its plan unwrapped, tensors only. The loop
+    holds the model's output through backward and the optimizer step; `loss_fn` makes the
+    loss of it (by default the output is the loss). With `checkpointed`, every block of
+    `model.blocks` is checkpointed, in the real steps as the plan asks."""
     from autoshard.strategies.engines import checkpoint_block
 
     gc.collect()
@@ -470,16 +472,18 @@ def _real_and_simulated(
             checkpoint_block(block)
         for step in range(3):  # the first creates AdamW's state
             with prof.window(f"step{step}"):
-                model(batch).backward()
+                output = model(batch)
+                loss_fn(output, batch).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                del output
         del model, optimizer
         gc.collect()
     real = max(prof.live_bytes(f"step{step}").peak for step in (1, 2))
 
     model, optimizer = build()
     plan = autoshard.plan(
-        model, optimizer, batch, loss_fn=lambda out, batch: out, strategy="local",
+        model, optimizer, batch, loss_fn=loss_fn, strategy="local",
         mixed_precision="no", activation_checkpointing=checkpointed,
     )  # fmt: skip
     footprint = plan.chosen.footprint

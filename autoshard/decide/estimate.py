@@ -355,7 +355,10 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     params = -(-stats.param_bytes // n) + stats.buffer_bytes
     grads = -(-stats.trainable_bytes // n)
     optimizer_state = -(-stats.optimizer_bytes // n)
-    activations = stats.input_bytes
+    # the batch, and the model's output where it holds more than backward saves: a loop holds
+    # both through backward and the optimizer step
+    held = stats.input_bytes + (profile.output_bytes if profile is not None else 0)
+    activations = held
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself,
     # and at least as much as the trace's backward rose above where it began; where gradients
@@ -391,12 +394,10 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         step_temp = grads if stats.optimizer_bytes else 0
     else:
         step_temp = -(-stats.step_temporary_bytes // n)
-    # the batch is still held at the optimizer step (the caller's loop holds it)
-    inputs = stats.input_bytes
-    step = (params, grads, optimizer_state, inputs, retired_bucket_bytes(stats, s), step_temp)
+    step = (params, grads, optimizer_state, held, retired_bucket_bytes(stats, s), step_temp)
     if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = (stats.buffer_bytes, 0, 0, *backward[3:])
-        step = (stats.buffer_bytes, 0, 0, inputs, 0, 0)
+        step = (stats.buffer_bytes, 0, 0, held, 0, 0)
     terms = max(backward, step, key=sum)
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 

@@ -96,6 +96,10 @@ class ActivationProfile:
         rise_into_buffers_bytes: the same where each parameter's gradient is summed into a
             buffer that holds it already (DDP's buckets, a micro-batch after the first): each
             gradient made, then freed once summed, counted from its making to its summing.
+        output_bytes: bytes the model's output holds beyond what backward saves, the
+            parameters and the batch (the logits beside a loss computed from them): alive
+            through backward and the optimizer step where the loop holds the output, as
+            `outputs = model(**batch); outputs.loss.backward()` does.
         block_checkpointed_bytes: for each block, the most it holds when checkpointed, beyond
             what is saved before the blocks and the inputs of the blocks before it: while its
             forward runs again, its input, the gradient reaching it (what backward made and
@@ -174,6 +178,7 @@ class ActivationProfile:
     moving_calls: tuple[MovingCall, ...] = ()
     backward_rise_bytes: int = 0
     rise_into_buffers_bytes: int = 0
+    output_bytes: int = 0
     block_checkpointed_bytes: tuple[int, ...] = ()
     block_checkpointed_into_buffers_bytes: tuple[int, ...] = ()
 

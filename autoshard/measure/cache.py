@@ -635,6 +635,7 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         largest_saved_bytes=_int(value["largest_saved_bytes"]),
         backward_rise_bytes=_int(value["backward_rise_bytes"]),
         rise_into_buffers_bytes=_int(value["rise_into_buffers_bytes"]),
+        output_bytes=_int(value["output_bytes"]),
         block_checkpointed_bytes=tuple(map(_int, value["block_checkpointed_bytes"])),
         block_checkpointed_into_buffers_bytes=tuple(
             map(_int, value["block_checkpointed_into_buffers_bytes"])

@@ -585,6 +585,7 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         unlike_blocks=largest.unlike_blocks or unlike,
         backward_rise_bytes=max(p.backward_rise_bytes for p in known),
         rise_into_buffers_bytes=max(p.rise_into_buffers_bytes for p in known),
+        output_bytes=max(p.output_bytes for p in known),
         block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
         block_checkpointed_into_buffers_bytes=_most(
             p.block_checkpointed_into_buffers_bytes for p in known

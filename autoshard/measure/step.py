@@ -104,7 +104,10 @@ def tracked_step(
         PlainBranches(),
         moments.marked(),
     ):
-        loss = compute_loss(call_model(model, batch), batch, setup.loss_fn)
+        # the output is held through backward and the optimizer step, as a loop holding it
+        # does (`outputs = model(**batch); outputs.loss.backward()`)
+        output = call_model(model, batch)
+        loss = compute_loss(output, batch, setup.loss_fn)
         moments.mark(HEAD)
         loss.backward()
         del loss
@@ -126,6 +129,7 @@ def tracked_step(
             temporaries=before.temporaries + added - created,
         )
         optimizer.zero_grad(set_to_none=not in_place)
+        del output
     with_created = {
         label: [with_state(phase, created) for phase in phases]
         for label, phases in backward.items()

@@ -103,6 +103,18 @@ class _Attribution:
                 self.nbytes.pop(key, None)
         self.closed = True
 
+    def held_beside(self, output: Any) -> int:
+        """Bytes of the storages `output` holds that nothing saved for backward holds, nor are
+        the parameters' or the batch's (the logits beside the loss computed from them): run
+        after `forward_done`."""
+        held: dict[int, int] = {}
+        for tensor in tensors_in(output):
+            storage = tensor.untyped_storage()
+            key = storage_key(storage)
+            if key not in self.existing and key not in self.nbytes:
+                held[key] = storage.nbytes()
+        return sum(held.values())
+
     def took(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
         """Block `index` was called with `tensors`: its floating inputs are what it keeps when
         checkpointed. A storage another block took too (a mask, a position bias, an encoder's
@@ -217,7 +229,8 @@ def profile_step(
             if cast_to is not None:
                 args, kwargs = _floating_to((args, kwargs), cast_to)
             output = model(*args, **kwargs)
-            if cast_to is not None:
+            if autocast_dtype is not None:
+                # as FSDP2's output_dtype and the autocast hooks return it (`engines._Autocast`)
                 output = _floating_to(output, torch.float32)
         loss = compute_loss(output, fake_batch, loss_fn)
         taken["flops"] = counter.get_total_flops()
@@ -225,8 +238,9 @@ def profile_step(
         # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
         taken["formulas"] = sorted(formulas.by_own), sorted(formulas.uncounted)
         attribution.forward_done()
+        taken["output"] = attribution.held_beside(output)
         traffic.in_forward = False
-        loss.backward()
+        loss.backward()  # the output held through it, as a loop holding it does
 
     try:
         with (
@@ -257,6 +271,7 @@ def profile_step(
         largest_saved_bytes=max(sizes, default=0),
         backward_rise_bytes=made.rise(),
         rise_into_buffers_bytes=made.rise_into_buffers(),
+        output_bytes=taken["output"],
         block_checkpointed_bytes=_checkpointed(made, attribution, len(blocks), False),
         block_checkpointed_into_buffers_bytes=_checkpointed(made, attribution, len(blocks), True),
         block_forward_flops=tuple(block_flops),
@@ -335,6 +350,7 @@ def profile_scaled(
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
         backward_rise_bytes=line(one.backward_rise_bytes, two.backward_rise_bytes),
         rise_into_buffers_bytes=line(one.rise_into_buffers_bytes, two.rise_into_buffers_bytes),
+        output_bytes=line(one.output_bytes, two.output_bytes),
         block_checkpointed_bytes=lines(one.block_checkpointed_bytes, two.block_checkpointed_bytes),
         block_checkpointed_into_buffers_bytes=lines(
             one.block_checkpointed_into_buffers_bytes, two.block_checkpointed_into_buffers_bytes

@@ -66,14 +66,17 @@ def run_step(
     model: nn.Module, work: Work, scaler: Any, agreement: Agreement | None = None
 ) -> float:
     """Forward and backward on `accumulation_steps` micro-batches (gradient sync off on all but
-    the last), optimizer step, gradients cleared: one step as a training loop runs it."""
+    the last), optimizer step, gradients cleared: one step as a training loop runs it, holding
+    each micro-batch's output through its backward and the last one's through the optimizer
+    step (`outputs = model(**batch); outputs.loss.backward()`)."""
     optimizer, batch, loss_fn = work.optimizer, work.batch, work.loss_fn
     accumulation_steps = work.request.accumulation_steps
+    output = None
     for micro in range(accumulation_steps):
         with gradient_sync(model, on=micro == accumulation_steps - 1):
+            del output
             output = call_model(model, batch)
             loss = compute_loss(output, batch, loss_fn)
-            del output
             value = float(loss.detach())
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
@@ -85,6 +88,7 @@ def run_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    del output
     return value
 
 
