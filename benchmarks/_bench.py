@@ -77,10 +77,12 @@ def is_oom(error: BaseException) -> bool:
 def train_step(
     prepared: autoshard.Prepared, batch: tuple[torch.Tensor, ...], loss_fn: Callable[..., Any]
 ) -> None:
-    """One step as a user's loop runs it (with the gradient scaler when the plan uses fp16)."""
+    """One step as a user's loop runs it (with the gradient scaler when the plan uses fp16),
+    holding the output through backward and the optimizer step."""
     model, optimizer, _ = prepared
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(*batch), batch)
+    output = model(*batch)
+    loss = loss_fn(output, batch)
     if prepared.scaler is None:
         loss.backward()
         optimizer.step()

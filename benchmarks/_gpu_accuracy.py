@@ -123,7 +123,10 @@ def sync(device: torch.device) -> None:
 
 
 def step(model: Any, optimizer: Any, batch: tuple[Any, ...], loss_fn: Any) -> None:
-    loss = loss_fn(model(*batch), batch)
+    """One step as a user's loop runs it, the output held through backward and the optimizer
+    step."""
+    output = model(*batch)
+    loss = loss_fn(output, batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -10,7 +10,8 @@ DESIGN.md section 3), with the chosen candidate's terms. Then, inside the profil
 built again and `autoshard.prepare(...)` wraps it (with its trial step unless `--no-trial`; the
 trial's measured peak is reported beside the figures), `--warmup` unmeasured steps run (default
 0) and `--steps` K measured steps (default 3: the first step after prepare counts), each
-`loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`. On each rank:
+`loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)` with the model's output held
+through it, as a user's loop holds it. On each rank:
 
 - allocator peak (the figure compared): on CPU, torch's profiler with `profile_memory=True`,
   started before the model is built, so that its running total of allocator bytes counts
@@ -91,10 +92,12 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def train_step(prepared: autoshard.Prepared, built: zoo.ZooModel, prof: AllocatorProfile) -> None:
-    """One steady-state step, each phase a labelled window (to say where the peak falls)."""
+    """One steady-state step, each phase a labelled window (to say where the peak falls), the
+    output held through backward and the optimizer step as a user's loop holds it."""
     model, optimizer, _ = prepared
     with prof.window("forward"):
-        loss = built.loss_fn(call_model(model, built.batch), built.batch)
+        output = call_model(model, built.batch)
+        loss = built.loss_fn(output, built.batch)
     with prof.window("backward"):
         (loss if prepared.scaler is None else prepared.scaler.scale(loss)).backward()
     with prof.window("optimizer"):
