@@ -358,35 +358,47 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     # the batch, and the model's output where it holds more than backward saves: a loop holds
     # both through backward and the optimizer step
     held = stats.input_bytes + (profile.output_bytes if profile is not None else 0)
-    activations = held
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself,
     # and at least as much as the trace's backward rose above where it began; where gradients
     # are summed into buffers holding them already (DDP's buckets, a micro-batch after the
     # first), each new one is alive until it is summed, and counts in that rise.
     backward_temp = 0
+    saved = 0
+    within = None
     if profile is not None:
         into_buffers = recipe(s.strategy).engine is Engine.DDP or s.accumulation_steps > 1
         rise = profile.rise_into_buffers_bytes if into_buffers else profile.backward_rise_bytes
         backward_temp = max(2 * profile.largest_saved_bytes, rise)
         saved = profile.activation_bytes(s.checkpointed)
-        within = profile.checkpointed_backward(s.checkpointed, into_buffers)
-        if within is not None:
-            # the head's and the unchecked blocks' backward, from all forward kept; or a
-            # checkpointed block's, its saved activations recomputed, with what it holds
+        within = profile.checkpointed_moments(s.checkpointed, into_buffers)
+        if within is not None:  # the head's and the unchecked blocks' backward: all kept
             saved = profile.kept_bytes(s.checkpointed)
-            if sum(within) > saved + backward_temp:
-                saved, backward_temp = within
-        activations += saved
     in_backward = _grads_in_backward(stats, s, grads)
     backward = (
         params,
         in_backward + accumulated_grad_bytes(stats, s, in_backward),
         optimizer_state,
-        activations,
+        held + saved,
         comm,
         backward_temp,
     )
+    # a checkpointed block's backward, its saved activations recomputed, with what it holds;
+    # unwrapped, the gradients of all after it are made by then
+    for j, (alive, rest) in enumerate(within or ()):
+        made = grads
+        if recipe(s.strategy).engine is Engine.NONE:
+            before = sum(stats.block_numel[:j]) * s.param_element_bytes
+            made = max(in_backward, grads - before)
+        late = (
+            params,
+            made + accumulated_grad_bytes(stats, s, made),
+            optimizer_state,
+            held + alive,
+            comm,
+            rest,
+        )
+        backward = max(backward, late, key=sum)
     # A foreach optimizer materialises one parameter-sized list of intermediates at the step
     # (Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`); a single-tensor step
     # one parameter's worth (`optimizer.step_temporary_bytes`).

@@ -213,11 +213,11 @@ class ActivationProfile:
         dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
         return self.other_saved_bytes + sum(self.block_saved_bytes) - dropped
 
-    def checkpointed_backward(
+    def checkpointed_moments(
         self, checkpointed: int, into_buffers: bool
-    ) -> tuple[int, int] | None:
-        """The peak of the checkpointed blocks' recomputation and backward with the first
-        `checkpointed` blocks checkpointed, as (saved activations alive, the rest: the
+    ) -> list[tuple[int, int]] | None:
+        """Each checkpointed block's recomputation and backward, the first `checkpointed`
+        blocks checkpointed, in block order, as (saved activations alive, the rest: the
         gradients, temporaries); None where no block is checkpointed or the profile has no
         block's figures. When checkpointed block j runs again, alive are the tensors saved
         before the blocks, the inputs of blocks 0..j-1 and what block j holds
@@ -231,15 +231,12 @@ class ActivationProfile:
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
         if k == 0 or len(held) != len(self.block_saved_bytes):
             return None
-        before = (self.before_saved_bytes + sum(self.block_input_bytes[:j]) for j in range(k))
-        moments = (
-            (
-                alive + min(self.block_saved_bytes[j], held[j]),
-                max(0, held[j] - self.block_saved_bytes[j]),
-            )
-            for j, alive in enumerate(before)
-        )
-        return max(moments, key=sum)
+        moments = []
+        for j in range(k):
+            alive = self.before_saved_bytes + sum(self.block_input_bytes[:j])
+            saved = min(self.block_saved_bytes[j], held[j])
+            moments.append((alive + saved, held[j] - saved))
+        return moments
 
     def recompute_flops(self, checkpointed: int) -> int:
         return sum(self.block_forward_flops[: max(checkpointed, 0)])
