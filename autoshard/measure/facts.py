@@ -596,7 +596,7 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
 def _most(figures: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
     """Each block's largest figure over the ranks' profiles; none where their blocks differ in
     number, or one has none (the formulas then count the checkpointed blocks' backward as
-    before these figures, `ActivationProfile.checkpointed_backward`)."""
+    before these figures, `ActivationProfile.checkpointed_moments`)."""
     each = list(figures)
     if len({len(f) for f in each}) != 1:
         return ()
