@@ -375,30 +375,22 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         if within is not None:  # the head's and the unchecked blocks' backward: all kept
             saved = profile.kept_bytes(s.checkpointed)
     in_backward = _grads_in_backward(stats, s, grads)
-    backward = (
-        params,
-        in_backward + accumulated_grad_bytes(stats, s, in_backward),
-        optimizer_state,
-        held + saved,
-        comm,
-        backward_temp,
-    )
+
+    def in_phase(
+        grads_made: int, activations: int, temporaries: int
+    ) -> tuple[int, int, int, int, int, int]:
+        grads_held = grads_made + accumulated_grad_bytes(stats, s, grads_made)
+        return (params, grads_held, optimizer_state, activations, comm, temporaries)
+
+    backward = in_phase(in_backward, held + saved, backward_temp)
     # a checkpointed block's backward, its saved activations recomputed, with what it holds;
     # unwrapped, the gradients of all after it are made by then
+    unwrapped = recipe(s.strategy).engine is Engine.NONE
+    before = 0  # gradient bytes of the blocks before block j
     for j, (alive, rest) in enumerate(within or ()):
-        made = grads
-        if recipe(s.strategy).engine is Engine.NONE:
-            before = sum(stats.block_numel[:j]) * s.param_element_bytes
-            made = max(in_backward, grads - before)
-        late = (
-            params,
-            made + accumulated_grad_bytes(stats, s, made),
-            optimizer_state,
-            held + alive,
-            comm,
-            rest,
-        )
-        backward = max(backward, late, key=sum)
+        made = max(in_backward, grads - before) if unwrapped else grads
+        backward = max(backward, in_phase(made, held + alive, rest), key=sum)
+        before += stats.block_numel[j] * s.param_element_bytes
     # A foreach optimizer materialises one parameter-sized list of intermediates at the step
     # (Adam's sqrt(exp_avg_sq) in torch/optim/adam.py `_multi_tensor_adam`); a single-tensor step
     # one parameter's worth (`optimizer.step_temporary_bytes`).
