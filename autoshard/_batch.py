@@ -223,6 +223,39 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+def tensors_reached(obj: Any, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
+    """Every tensor a model's output reaches: in containers, and in the attributes of the
+    objects it holds (a Hugging Face ModelOutput's cache: `DynamicCache.layers[i].keys`, every
+    layer's keys and values, alive as long as the output is), each object visited once; not
+    through a module, a class or a function (the model's own parameters are not its output),
+    nor through an object of the types `skip`."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.setdefault(id(x), x)
+            continue
+        if id(x) in seen or isinstance(x, (*_NOT_OUTPUT, *skip)) or callable(x):
+            continue
+        seen.add(id(x))
+        if isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        else:
+            stack.extend(getattr(x, "__dict__", {}).values())
+            for name in getattr(type(x), "__slots__", ()):
+                stack.append(getattr(x, name, None))
+    return list(found.values())
+
+
+# What an output's walk does not enter (`tensors_reached`), besides what is callable (a module,
+# a class, a function)
+_NOT_OUTPUT = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
 def on_meta(model: torch.nn.Module) -> bool:
     """Every parameter and buffer of `model` is on the meta device (a what-if model)."""
     tensors = [*model.parameters(), *model.buffers()]

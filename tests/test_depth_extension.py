@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -376,6 +378,25 @@ def test_the_trace_of_a_shallow_copy_extends_to_the_whole_model_s(
         assert shallow.rise_into_buffers_bytes >= whole.rise_into_buffers_bytes, name
 
 
+def shallow_and_whole(
+    model: torch.nn.Module,
+    names: list[str],
+    batch: torch.Tensor,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ActivationProfile, ActivationProfile]:
+    """The profile of `model` (its blocks `names`) traced shallow and extended, and traced
+    whole."""
+    from autoshard.measure import facts
+
+    blocks = [model.get_submodule(n) for n in names]
+    shallow = facts._profile(model, blocks, batch, loss_fn, None, names)
+    with monkeypatch.context() as patch:
+        patch.setattr(facts, "repeats", lambda *args: None)
+        whole = facts._profile(model, blocks, batch, loss_fn, None, names)
+    return shallow, whole
+
+
 def _per_block(profile: ActivationProfile) -> ActivationProfile:
     """The profile but its figures of the whole step, backward's rises, which a shallow trace
     gives as the copy's, not extended: they bound the whole model's (at most as many saved
@@ -403,10 +424,7 @@ def test_a_block_run_twice_counts_both_runs(monkeypatch: pytest.MonkeyPatch) -> 
     names = [f"blocks.{i}" for i in range(DEPTH)]
     blocks = [model.get_submodule(n) for n in names]
     batch = torch.randn(32, 64)
-    shallow = facts._profile(model, blocks, batch, None, None, names)
-    with monkeypatch.context() as patch:
-        patch.setattr(facts, "repeats", lambda *args: None)
-        whole = facts._profile(model, blocks, batch, None, None, names)
+    shallow, whole = shallow_and_whole(model, names, batch, None, monkeypatch)
     # the first run's gradients of each block's parameters wait for the second's: the
     # parameters' gradients, not a rise with depth. Summed into buffers (DDP), those waiting
     # count, and more blocks keep more waiting: the shallow copy's figures are under the whole

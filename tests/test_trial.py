@@ -266,7 +266,8 @@ def test_measured_peak_is_recorded(trial: Launch) -> None:
 
 def test_measured_peak_above_memory_limit_is_an_oom(trial: Launch) -> None:
     # Tested for real: the Workspace model allocates, in forward, a scratch buffer nothing saves for
-    # backward, which the estimate (saved activations) cannot see and the trial's MemTracker does.
+    # backward, which the estimate (its trace at 1 and 2 rows) cannot see and the trial's
+    # measurement does.
     # memory_limit is set to DDP's estimate exactly, so auto chooses DDP by the estimate; the
     # trial measures more than that on both ranks and must fall back to a rung that measures less.
     ranks = trial.case("memory_limit_exceeded_by_measurement")

@@ -460,9 +460,10 @@ def _real_and_simulated(
 ) -> tuple[int, int]:
     """The allocator's peak over real steps 2 and 3 of the model `build` makes (counted from
     before it exists), and the simulated peak of its plan unwrapped, tensors only. The loop
-    holds the model's output through backward and the optimizer step; `loss_fn` makes the
-    loss of it (by default the output is the loss). With `checkpointed`, every block of
-    `model.blocks` is checkpointed, in the real steps as the plan asks."""
+    holds the model's output through backward and the optimizer step, and through the next
+    step's forward until the model returns the next one (`output = model(batch)`); `loss_fn`
+    makes the loss of it (by default the output is the loss). With `checkpointed`, every block
+    of `model.blocks` is checkpointed, in the real steps as the plan asks."""
     from autoshard.strategies.engines import checkpoint_block
 
     gc.collect()
@@ -470,14 +471,14 @@ def _real_and_simulated(
         model, optimizer = build()
         for block in model.blocks if checkpointed else ():
             checkpoint_block(block)
+        output = None
         for step in range(3):  # the first creates AdamW's state
             with prof.window(f"step{step}"):
                 output = model(batch)
                 loss_fn(output, batch).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                del output
-        del model, optimizer
+        del model, optimizer, output
         gc.collect()
     real = max(prof.live_bytes(f"step{step}").peak for step in (1, 2))
 

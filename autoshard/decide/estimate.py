@@ -342,10 +342,12 @@ def _sum(phase: Phase) -> int:
 def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:
     """The per-rank peak of one candidate from formulas, broken down at the moment it happens.
 
-    A step has two candidate peaks (steady state, `zero_grad(set_to_none=True)` between steps):
-    early in backward, with every activation alive, the gradients resident then and the
-    gathered parameters; and at the optimizer step, with activations and gathered parameters
-    freed but every gradient and the optimizer's temporaries alive. The larger one is the peak.
+    A step has three candidate peaks (steady state, `zero_grad(set_to_none=True)` between
+    steps): early in backward, with every activation alive, the gradients resident then and the
+    gathered parameters; at the end of forward, with every activation alive beside the previous
+    step's output, which the loop still holds; and at the optimizer step, with activations and
+    gathered parameters freed but every gradient and the optimizer's temporaries alive. The
+    largest is the peak.
     """
     n = (s.shard_degree or s.world_size) if recipe(s.strategy).sharded else 1
     # ZeRO (Rajbhandari et al. 2020, section 5): stage 2 shards gradients and optimizer state,
@@ -357,7 +359,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     optimizer_state = -(-stats.optimizer_bytes // n)
     # the batch, and the model's output where it holds more than backward saves: a loop holds
     # both through backward and the optimizer step
-    held = stats.input_bytes + (profile.output_bytes if profile is not None else 0)
+    held = stats.input_bytes + (profile.output_held(s.checkpointed) if profile is not None else 0)
     comm = _unsharded_bytes(stats, s) + retired_bucket_bytes(stats, s)
     # Backward holds the gradient of the largest saved activation next to the activation itself,
     # and at least as much as the trace's backward rose above where it began; where gradients
@@ -383,6 +385,20 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         return (params, grads_held, optimizer_state, activations, comm, temporaries)
 
     backward = in_phase(in_backward, held + saved, backward_temp)
+    # the forward at its most, the previous step's output still held (a loop lets it go once
+    # the model returns the next one), beside the gradients that exist before backward (DDP's
+    # buckets): at its end with its transients' most, and in each checkpointed block's
+    if profile is not None:
+        before_backward = grads if recipe(s.strategy).engine is Engine.DDP else 0
+        previous = profile.carried(s.checkpointed)
+        forwards = [
+            in_phase(before_backward, held + previous + saved, profile.forward_rise_bytes),
+            *(
+                in_phase(before_backward, stats.input_bytes + previous + alive, 0)
+                for alive in profile.checkpointed_forwards(s.checkpointed)
+            ),
+        ]
+        backward = max(backward, *forwards, key=sum)
     # a checkpointed block's backward, its saved activations recomputed, with what it holds;
     # unwrapped, the gradients of all after it are made by then
     unwrapped = recipe(s.strategy).engine is Engine.NONE

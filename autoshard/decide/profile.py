@@ -100,6 +100,24 @@ class ActivationProfile:
             parameters and the batch (the logits beside a loss computed from them): alive
             through backward and the optimizer step where the loop holds the output, as
             `outputs = model(**batch); outputs.loss.backward()` does.
+        block_output_bytes: of `output_bytes`, those each block's forward made (a cache's keys
+            and values where backward saves others): a deeper model's output holds more.
+        carried_bytes: bytes the model's output holds after backward, but the parameters' and
+            the batch's (the logits, a cache's keys and values): a loop that keeps the output
+            until the next one replaces it (`outputs = model(**batch)`, the next step's)
+            carries them through the next forward.
+        block_carried_bytes: of `carried_bytes`, those each block's forward made.
+        block_output_left_bytes, block_carried_left_bytes: of `block_output_bytes` and
+            `block_carried_bytes`, those a transformers cache alone holds, where the block is a
+            transformers layer: checkpointed, it leaves the cache out and adds none of them
+            (`engines.checkpoint_block`).
+        block_forward_peak_bytes: for each block, the most its forward holds of what it made
+            (its saved activations, temporaries and output): checkpointed, what it adds in its
+            first forward to the inputs of the blocks before it.
+        forward_rise_bytes: how far above what it holds at its end the forward's storages stood
+            at their most (a block's temporaries beside the activations saved before it): the
+            forward's peak, where the previous output carried into it makes that the step's.
+            Of the whole step, as `backward_rise_bytes`.
         block_checkpointed_bytes: for each block, the most it holds when checkpointed, beyond
             what is saved before the blocks and the inputs of the blocks before it: while its
             forward runs again, its input, the gradient reaching it (what backward made and
@@ -179,6 +197,13 @@ class ActivationProfile:
     backward_rise_bytes: int = 0
     rise_into_buffers_bytes: int = 0
     output_bytes: int = 0
+    block_output_bytes: tuple[int, ...] = ()
+    carried_bytes: int = 0
+    block_carried_bytes: tuple[int, ...] = ()
+    block_output_left_bytes: tuple[int, ...] = ()
+    block_carried_left_bytes: tuple[int, ...] = ()
+    forward_rise_bytes: int = 0
+    block_forward_peak_bytes: tuple[int, ...] = ()
     block_checkpointed_bytes: tuple[int, ...] = ()
     block_checkpointed_into_buffers_bytes: tuple[int, ...] = ()
 
@@ -237,6 +262,35 @@ class ActivationProfile:
             saved = min(self.block_saved_bytes[j], held[j])
             moments.append((alive + saved, held[j] - saved))
         return moments
+
+    def output_held(self, checkpointed: int) -> int:
+        """`output_bytes` with the first `checkpointed` blocks checkpointed: without what those
+        leave out of it (`block_output_left_bytes`)."""
+        return self.output_bytes - sum(self.block_output_left_bytes[: max(checkpointed, 0)])
+
+    def carried(self, checkpointed: int) -> int:
+        """`carried_bytes` with the first `checkpointed` blocks checkpointed: without what those
+        leave out of the output (`block_carried_left_bytes`)."""
+        return self.carried_bytes - sum(self.block_carried_left_bytes[: max(checkpointed, 0)])
+
+    def checkpointed_forwards(self, checkpointed: int) -> list[int]:
+        """The activations alive at the most of each checkpointed block's first forward, the
+        first `checkpointed` blocks checkpointed: the tensors saved before the blocks, the
+        inputs of blocks 0..j, what block j's forward made (`block_forward_peak_bytes`) and
+        what the output holds of the blocks before it (`output_held`, but what blocks j on add
+        to it); none where the profile has no block's figures."""
+        n = len(self.block_saved_bytes)
+        k = min(max(checkpointed, 0), n)
+        if len(self.block_forward_peak_bytes) != n or len(self.block_output_bytes) != n:
+            return []
+        return [
+            self.before_saved_bytes
+            + sum(self.block_input_bytes[: j + 1])
+            + self.block_forward_peak_bytes[j]
+            + self.output_held(j)
+            - sum(self.block_output_bytes[j:])
+            for j in range(k)
+        ]
 
     def recompute_flops(self, checkpointed: int) -> int:
         return sum(self.block_forward_flops[: max(checkpointed, 0)])

@@ -636,6 +636,13 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         backward_rise_bytes=_int(value["backward_rise_bytes"]),
         rise_into_buffers_bytes=_int(value["rise_into_buffers_bytes"]),
         output_bytes=_int(value["output_bytes"]),
+        block_output_bytes=tuple(map(_int, value["block_output_bytes"])),
+        carried_bytes=_int(value["carried_bytes"]),
+        block_carried_bytes=tuple(map(_int, value["block_carried_bytes"])),
+        block_output_left_bytes=tuple(map(_int, value["block_output_left_bytes"])),
+        block_carried_left_bytes=tuple(map(_int, value["block_carried_left_bytes"])),
+        forward_rise_bytes=_int(value["forward_rise_bytes"]),
+        block_forward_peak_bytes=tuple(map(_int, value["block_forward_peak_bytes"])),
         block_checkpointed_bytes=tuple(map(_int, value["block_checkpointed_bytes"])),
         block_checkpointed_into_buffers_bytes=tuple(
             map(_int, value["block_checkpointed_into_buffers_bytes"])

@@ -586,6 +586,13 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         backward_rise_bytes=max(p.backward_rise_bytes for p in known),
         rise_into_buffers_bytes=max(p.rise_into_buffers_bytes for p in known),
         output_bytes=max(p.output_bytes for p in known),
+        block_output_bytes=_most(p.block_output_bytes for p in known),
+        carried_bytes=max(p.carried_bytes for p in known),
+        block_carried_bytes=_most(p.block_carried_bytes for p in known),
+        block_output_left_bytes=_most(p.block_output_left_bytes for p in known),
+        block_carried_left_bytes=_most(p.block_carried_left_bytes for p in known),
+        forward_rise_bytes=max(p.forward_rise_bytes for p in known),
+        block_forward_peak_bytes=_most(p.block_forward_peak_bytes for p in known),
         block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
         block_checkpointed_into_buffers_bytes=_most(
             p.block_checkpointed_into_buffers_bytes for p in known

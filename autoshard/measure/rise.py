@@ -86,19 +86,19 @@ class BackwardRise(TorchDispatchMode):
         self._saved: set[int] = set()  # the saved activations' storages
         self._made = itertools.count()
         self._backward = False
-        # storages a block's forward made -> (allocation, the block); bytes alive of each
-        # block's, and their most
-        self._forward: dict[int, tuple[int, int]] = {}
+        # storages forward made -> (allocation, the block making it, None outside the blocks);
+        # bytes alive of each block's, and their most; of all, and their most
+        self._forward: dict[int, tuple[int, int | None]] = {}
         self._forward_held: dict[int, int] = {}
         self.forward_peak: dict[int, int] = {}
+        self._forward_total = 0
+        self._forward_most = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not in_backward():
-            block = self.block()
-            if block is not None:
-                self._made_in_forward(block, args, kwargs, out)
+            self._made_in_forward(self.block(), args, kwargs, out)
             return out
         self._backward = True
         for storage, key in _new_storages(args, kwargs, out, self.alive):
@@ -114,20 +114,36 @@ class BackwardRise(TorchDispatchMode):
                 )
         return out
 
-    def _made_in_forward(self, block: int, args: Any, kwargs: Any, out: Any) -> None:
+    def _made_in_forward(self, block: int | None, args: Any, kwargs: Any, out: Any) -> None:
         for storage, key in _new_storages(args, kwargs, out, self._forward):
             made, size = next(self._made), storage.nbytes()
             self._forward[key] = (made, block)
-            held = self._forward_held.get(block, 0) + size
-            self._forward_held[block] = held
-            self.forward_peak[block] = max(self.forward_peak.get(block, 0), held)
+            self._forward_total += size
+            self._forward_most = max(self._forward_most, self._forward_total)
+            if block is not None:
+                held = self._forward_held.get(block, 0) + size
+                self._forward_held[block] = held
+                self.forward_peak[block] = max(self.forward_peak.get(block, 0), held)
             weakref.finalize(storage, self._forward_freed, key, made, size)
+
+    def forward_rise(self) -> int:
+        """How far above what it holds now the forward's storages stood at their most (called as
+        forward ends: its transients, a block's temporaries beside every activation saved
+        before it)."""
+        return self._forward_most - self._forward_total
+
+    def made_in(self, key: int) -> int | None:
+        """The block whose forward made the storage `key`, alive still; None where none did."""
+        entry = self._forward.get(key)
+        return entry[1] if entry is not None else None
 
     def _forward_freed(self, key: int, made: int, size: int) -> None:
         entry = self._forward.get(key)
         if entry is not None and entry[0] == made:
             del self._forward[key]
-            self._forward_held[entry[1]] -= size
+            self._forward_total -= size
+            if entry[1] is not None:
+                self._forward_held[entry[1]] -= size
 
     def saved(self, tensor: torch.Tensor) -> None:
         """A tensor saved for backward (a `saved_tensors_hooks` pack hook): its storage's

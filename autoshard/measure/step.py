@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autoshard._batch import call_model, compute_loss, tensors_in
+from autoshard._batch import call_model, compute_loss, tensors_in, tensors_reached
 from autoshard._torch_compat import (
     mem_trackers,
+    storage_key,
     tracker_frees_cut_branches,
     tracker_frozen_safe,
     tracker_global_peak_only,
@@ -22,6 +23,7 @@ from autoshard._torch_compat import (
     tree_leaves,
 )
 from autoshard.decide.estimate import Phase
+from autoshard.measure.rise import stored
 from autoshard.measure.rng import states_counted
 from autoshard.measure.workspace import Workspace
 from autoshard.strategies.recipes import recipe
@@ -66,7 +68,11 @@ def tracked_step(
     creates it, and it is added to the forward/backward peak afterwards. Any other optimizer first
     takes an unmeasured step from zero gradients (which allocates what a full first step would).
     With every block checkpointed (`setup.checkpoint_all`) only forward and backward run: the
-    step is the unchecked simulation's, and the caller adds its state (`with_state`)."""
+    step is the unchecked simulation's, and the caller adds its state (`with_state`).
+
+    A loop keeps the output until the next one replaces it (`outputs = model(**batch)` of the
+    next step or micro-batch): what it holds after backward is alive through the next forward
+    beside what that forward makes (`carried`), up to the model's return."""
     FSDPMemTracker, MemTracker = mem_trackers()
 
     from autoshard.strategies.engines import autocast_hooks
@@ -106,15 +112,19 @@ def tracked_step(
     ):
         # the output is held through backward and the optimizer step, as a loop holding it
         # does (`outputs = model(**batch); outputs.loss.backward()`)
-        output = call_model(model, batch)
-        loss = compute_loss(output, batch, setup.loss_fn)
+        output = [call_model(model, batch)]
+        moments.mark(LOSS)
+        loss = compute_loss(output[0], batch, setup.loss_fn)
         moments.mark(HEAD)
         loss.backward()
         del loss
         moments.mark(None)
         backward = moments.result()
+        kept = [*model.parameters(), *model.buffers(), *inputs]
         if setup.checkpoint_all:
-            return backward, Phase(**dict.fromkeys(_TERMS, 0))
+            return carried(backward, released(tracker, output, kept)), Phase(
+                **dict.fromkeys(_TERMS, 0)
+            )
         # The step's peak: what is alive as it starts (parameters, gradients, state), plus the
         # most its intermediates add. Taken as a difference of totals, not from the tracker's
         # breakdown at its peak, which files optimizer state under other names mid-step.
@@ -129,7 +139,7 @@ def tracked_step(
             temporaries=before.temporaries + added - created,
         )
         optimizer.zero_grad(set_to_none=not in_place)
-        del output
+        backward = carried(backward, released(tracker, output, kept))
     with_created = {
         label: [with_state(phase, created) for phase in phases]
         for label, phases in backward.items()
@@ -139,7 +149,8 @@ def tracked_step(
 
 # Labels of the moments of forward and backward (`Moments`)
 FORWARD = "forward"  # up to the first block
-AFTER_BLOCKS = "forward after the blocks"  # the head and the loss
+AFTER_BLOCKS = "forward after the blocks"  # the head, up to the model's return
+LOSS = "the loss"  # computed of the output, where the model's forward did not
 HEAD = "head backward"  # from the loss down to the last block's backward
 
 
@@ -148,15 +159,15 @@ class Moments:
 
     Hooks on each block mark where its forward begins and, on its outputs, where its backward
     begins (the gradient of its output is ready). The moments: the forward up to the first
-    block, each block's forward, the rest of the forward (head and loss), the head's backward
-    (down to the last block), then each block's backward, the first block's running to the end
-    of backward. A block's label names the same block of the model at every depth simulated
-    (`layout.Stretch.label`), so that a model simulated at two depths has the same moments at
-    both and each can be extended to the full depth on its own (`simulate._extend_moments`):
-    the peak's moment can move with depth (the head's backward with few blocks, the end of
-    backward or of forward with many), which one global peak per depth misses (a 22-block
-    Llama under DDP with every block checkpointed: 18.66 GiB extended that way, 19.19 GiB
-    simulated whole)."""
+    block, each block's forward, the rest of the forward (the head, up to the model's return),
+    the loss where the model did not compute it, the head's backward (down to the last block),
+    then each block's backward, the first block's running to the end of backward. A block's
+    label names the same block of the model at every depth simulated (`layout.Stretch.label`),
+    so that a model simulated at two depths has the same moments at both and each can be
+    extended to the full depth on its own (`simulate._extend_moments`): the peak's moment can
+    move with depth (the head's backward with few blocks, the end of backward or of forward
+    with many), which one global peak per depth misses (a 22-block Llama under DDP with every
+    block checkpointed: 18.66 GiB extended that way, 19.19 GiB simulated whole)."""
 
     def __init__(self, tracker: Any, labelled: list[tuple[nn.Module, str]]) -> None:
         self.tracker = tracker
@@ -229,6 +240,43 @@ class Moments:
                     tensor.register_hook(lambda grad: self.mark(label))
 
         return hook
+
+
+def released(tracker: Any, output: list[Any], kept: list[torch.Tensor]) -> int:
+    """Bytes the step's output (the one item of `output`, let go here) alone holds after the
+    step: what the tracker frees as it goes (with a graph its tensors keep: a checkpointed
+    block that fills a cache again when recomputed leaves keys whose gradient functions hold
+    the block's input), and at least the storages it reaches but the `kept` ones (the
+    parameters, the buffers, the batch)."""
+    known = {storage_key(t.untyped_storage()) for t in kept if stored(t)}
+    reached = {
+        storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
+        for t in tensors_reached(output[0])
+        if stored(t)
+    }
+    floor = sum(n for key, n in reached.items() if key not in known)
+    before = total(tracker, "current")
+    output.clear()
+    return max(before - total(tracker, "current"), floor)
+
+
+def carried(moments: dict[str, list[Phase]], size: int) -> dict[str, list[Phase]]:
+    """The `moments` with `size` bytes more alive through each moment of the forward: the
+    previous step's output (`released`), which a loop lets go only once the model returns the
+    next one. Counted with the activations, as the output held through backward is."""
+    return {
+        label: [
+            replace(phase, activations=phase.activations + size) if in_forward(label) else phase
+            for phase in phases
+        ]
+        for label, phases in moments.items()
+    }
+
+
+def in_forward(label: str) -> bool:
+    """Whether a moment's `label` is one of the model's forward (up to its return)."""
+    # a block's forward is `f"{FORWARD} {label}"` (`Moments._forward_starts`), as AFTER_BLOCKS is
+    return label == FORWARD or label.startswith(f"{FORWARD} ")
 
 
 def peak_of(moments: dict[str, list[Phase]]) -> Phase:

@@ -40,6 +40,7 @@ from autoshard._batch import (
     leading_rows,
     split_batch,
     tensors_in,
+    tensors_reached,
 )
 from autoshard._torch_compat import is_batch_norm, storage_key, tree_map
 from autoshard.decide.profile import ActivationProfile
@@ -49,6 +50,7 @@ from autoshard.measure.flops import FlopFormulas
 from autoshard.measure.priced import moving_order, order
 from autoshard.measure.rise import BackwardRise
 from autoshard.measure.traffic import Traffic
+from autoshard.strategies.engines import is_transformers_layer, transformers_caches
 from autoshard.wrap.snapshot import attributes_kept
 
 logger = logging.getLogger("autoshard")
@@ -103,17 +105,39 @@ class _Attribution:
                 self.nbytes.pop(key, None)
         self.closed = True
 
-    def held_beside(self, output: Any) -> int:
-        """Bytes of the storages `output` holds that nothing saved for backward holds, nor are
-        the parameters' or the batch's (the logits beside the loss computed from them): run
-        after `forward_done`."""
+    def held_by(
+        self,
+        output: Any,
+        made_in: Callable[[int], int | None],
+        beside_saved: bool,
+        leave_cache: list[bool],
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """Bytes of the storages `output` holds, but the parameters' and the batch's, and with
+        `beside_saved` (run after `forward_done`) but those saved for backward: in all, and of
+        them those each block's forward made (`made_in`, by storage), which a deeper model has
+        more of (the keys and values of a cache every attention block fills). Beside what is
+        saved, what the output adds to backward (the logits beside a loss computed from them);
+        after backward, all of them, what a loop that keeps the output until the next one
+        replaces it carries into the next step's forward. Third, of each block's, those the
+        output reaches through a transformers cache alone where the block `leave_cache`s (a
+        checkpointed transformers layer leaves the cache out: it adds none of them then)."""
         held: dict[int, int] = {}
-        for tensor in tensors_in(output):
+        for tensor in tensors_reached(output):
             storage = tensor.untyped_storage()
             key = storage_key(storage)
-            if key not in self.existing and key not in self.nbytes:
+            if key not in self.existing and not (beside_saved and key in self.nbytes):
                 held[key] = storage.nbytes()
-        return sum(held.values())
+        caches = transformers_caches()
+        besides = {storage_key(t.untyped_storage()) for t in tensors_reached(output, caches)}
+        by_block = [0] * len(self.inputs)
+        in_cache = [0] * len(self.inputs)
+        for key, size in held.items():
+            block = made_in(key)
+            if block is not None:
+                by_block[block] += size
+                if leave_cache[block] and key not in besides:
+                    in_cache[block] += size
+        return sum(held.values()), tuple(by_block), tuple(in_cache)
 
     def took(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
         """Block `index` was called with `tensors`: its floating inputs are what it keeps when
@@ -222,6 +246,7 @@ def profile_step(
     autocast = autocast_for(device_type, None if cast else autocast_dtype)
     cast_to = autocast_dtype if cast else None
     taken: dict[str, Any] = {}  # the forward's figures, taken before backward
+    leave_cache = [is_transformers_layer(block) for block in blocks]
 
     def step(model: nn.Module) -> None:
         with autocast:
@@ -233,14 +258,16 @@ def profile_step(
                 # as FSDP2's output_dtype and the autocast hooks return it (`engines._Autocast`)
                 output = _floating_to(output, torch.float32)
         loss = compute_loss(output, fake_batch, loss_fn)
+        taken["forward_rise"] = made.forward_rise()
         taken["flops"] = counter.get_total_flops()
         taken["traffic"] = traffic.bytes, traffic.kernels
         # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
         taken["formulas"] = sorted(formulas.by_own), sorted(formulas.uncounted)
         attribution.forward_done()
-        taken["output"] = attribution.held_beside(output)
+        taken["output"] = attribution.held_by(output, made.made_in, True, leave_cache)
         traffic.in_forward = False
         loss.backward()  # the output held through it, as a loop holding it does
+        taken["carried"] = attribution.held_by(output, made.made_in, False, leave_cache)
 
     try:
         with (
@@ -271,7 +298,14 @@ def profile_step(
         largest_saved_bytes=max(sizes, default=0),
         backward_rise_bytes=made.rise(),
         rise_into_buffers_bytes=made.rise_into_buffers(),
-        output_bytes=taken["output"],
+        output_bytes=taken["output"][0],
+        block_output_bytes=taken["output"][1],
+        block_output_left_bytes=taken["output"][2],
+        carried_bytes=taken["carried"][0],
+        block_carried_bytes=taken["carried"][1],
+        block_carried_left_bytes=taken["carried"][2],
+        forward_rise_bytes=taken["forward_rise"],
+        block_forward_peak_bytes=tuple(made.forward_peak.get(i, 0) for i in range(len(blocks))),
         block_checkpointed_bytes=_checkpointed(made, attribution, len(blocks), False),
         block_checkpointed_into_buffers_bytes=_checkpointed(made, attribution, len(blocks), True),
         block_forward_flops=tuple(block_flops),
@@ -351,6 +385,13 @@ def profile_scaled(
         backward_rise_bytes=line(one.backward_rise_bytes, two.backward_rise_bytes),
         rise_into_buffers_bytes=line(one.rise_into_buffers_bytes, two.rise_into_buffers_bytes),
         output_bytes=line(one.output_bytes, two.output_bytes),
+        block_output_bytes=lines(one.block_output_bytes, two.block_output_bytes),
+        carried_bytes=line(one.carried_bytes, two.carried_bytes),
+        forward_rise_bytes=line(one.forward_rise_bytes, two.forward_rise_bytes),
+        block_forward_peak_bytes=lines(one.block_forward_peak_bytes, two.block_forward_peak_bytes),
+        block_carried_bytes=lines(one.block_carried_bytes, two.block_carried_bytes),
+        block_output_left_bytes=lines(one.block_output_left_bytes, two.block_output_left_bytes),
+        block_carried_left_bytes=lines(one.block_carried_left_bytes, two.block_carried_left_bytes),
         block_checkpointed_bytes=lines(one.block_checkpointed_bytes, two.block_checkpointed_bytes),
         block_checkpointed_into_buffers_bytes=lines(
             one.block_checkpointed_into_buffers_bytes, two.block_checkpointed_into_buffers_bytes
@@ -577,6 +618,13 @@ def extended(
         profile,
         block_saved_bytes=each(profile.block_saved_bytes),
         block_input_bytes=each(profile.block_input_bytes),
+        output_bytes=whole(profile.output_bytes, profile.block_output_bytes),
+        block_output_bytes=each(profile.block_output_bytes),
+        carried_bytes=whole(profile.carried_bytes, profile.block_carried_bytes),
+        block_carried_bytes=each(profile.block_carried_bytes),
+        block_output_left_bytes=each(profile.block_output_left_bytes),
+        block_carried_left_bytes=each(profile.block_carried_left_bytes),
+        block_forward_peak_bytes=each(profile.block_forward_peak_bytes),
         block_checkpointed_bytes=each(profile.block_checkpointed_bytes, backward_source),
         block_checkpointed_into_buffers_bytes=each(
             profile.block_checkpointed_into_buffers_bytes, backward_source

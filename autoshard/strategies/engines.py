@@ -45,11 +45,17 @@ def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
     not be checkpointed)."""
     from torch.utils.checkpoint import checkpoint
 
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    cache = getattr(cache_utils, "Cache", None)
-    if cache is not None:
-        args = tuple(None if isinstance(arg, cache) else arg for arg in args)
+    caches = transformers_caches()
+    args = tuple(None if isinstance(arg, caches) else arg for arg in args)
     return checkpoint(function, *args, use_reentrant=False)
+
+
+def transformers_caches() -> tuple[type, ...]:
+    """transformers' KV cache class (`cache_utils.Cache`) where transformers is imported, as a
+    tuple for `isinstance`: a checkpointed transformers layer leaves it out
+    (`_checkpointed_without_cache`)."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return (cache,) if isinstance(cache, type) else ()
 
 
 def is_transformers_layer(module: nn.Module) -> bool:

@@ -63,20 +63,26 @@ def is_oom(error: BaseException) -> bool:
 
 
 def run_step(
-    model: nn.Module, work: Work, scaler: Any, agreement: Agreement | None = None
+    model: nn.Module,
+    work: Work,
+    scaler: Any,
+    agreement: Agreement | None = None,
+    kept: list[Any] | None = None,
 ) -> float:
     """Forward and backward on `accumulation_steps` micro-batches (gradient sync off on all but
-    the last), optimizer step, gradients cleared: one step as a training loop runs it, holding
-    each micro-batch's output through its backward and the last one's through the optimizer
-    step (`outputs = model(**batch); outputs.loss.backward()`)."""
+    the last), optimizer step, gradients cleared: one step as a training loop runs it
+    (`outputs = model(**batch); outputs.loss.backward()`), holding each micro-batch's output
+    through its backward and until the next one's forward has returned it, the last one's
+    through the optimizer step. With `kept` (a list of one item, the previous step's output or
+    None), the last output is left there, alive through the next step's forward as a loop
+    keeps it; else let go."""
     optimizer, batch, loss_fn = work.optimizer, work.batch, work.loss_fn
     accumulation_steps = work.request.accumulation_steps
-    output = None
+    held: list[Any] = kept if kept is not None else [None]
     for micro in range(accumulation_steps):
         with gradient_sync(model, on=micro == accumulation_steps - 1):
-            del output
-            output = call_model(model, batch)
-            loss = compute_loss(output, batch, loss_fn)
+            held[0] = call_model(model, batch)  # the previous output let go once it returns
+            loss = compute_loss(held[0], batch, loss_fn)
             value = float(loss.detach())
             (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
@@ -88,7 +94,8 @@ def run_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    del output
+    if kept is None:
+        held[0] = None
     return value
 
 
@@ -173,15 +180,20 @@ def attempt(wrapping: Wrapping, work: Work, usable: int) -> Agreed:
     cap = memory_cap(wrapping.world.device, limit, held)
     with peak_kept, _sync_points(wrapping, agreement), cap:
         with _peak_meter(wrapping, optimizer, box) as between_steps:
+            # the first step's output alive through the second's forward, as a loop keeps it
+            previous: list[Any] = [None]
             try:
                 for index in range(steps):
                     if index:
                         between_steps()
-                    losses.append(run_step(wrapping.model, work, wrapping.scaler, agreement))
+                    losses.append(
+                        run_step(wrapping.model, work, wrapping.scaler, agreement, previous)
+                    )
             except PeerFailed:
                 pass
             except Exception as caught:  # classified below, outside the except block
                 error = caught
+            previous.clear()
     seconds = time.perf_counter() - started
     learned = agreement.rows is not None  # a peer failed first: our own exception followed it
     code = FINE

@@ -477,17 +477,18 @@ def auto_trial_matches_forced_without_trial() -> dict[str, Any]:
 
 class Workspace(Net):
     """Net whose forward allocates a scratch buffer of `workspace_numel` floats that nothing saves
-    for backward (as a fused kernel's workspace would), and reads a number back that depends on
-    the batch's values. No fake step can run such a forward, so the estimate comes from the
-    saved activations alone and cannot see this buffer; the trial step's measurement does. (A
-    number read back from the zeros alone is known to the fake step, `measure.known`, which
-    then counts the buffer.)"""
+    for backward, above 2 rows only (as a kernel takes a workspace above some size), and reads a
+    number back that depends on the batch's values. No fake step can run such a forward, so the
+    estimate comes from a trace of its first 1 and 2 rows on real tensors, scaled
+    (`trace.profile_scaled`), which cannot see this buffer (it counts one every size makes:
+    `forward_rise_bytes`); the trial step's measurement does. (A number read back from the
+    zeros alone is known to the fake step, `measure.known`, which then counts the buffer.)"""
 
     workspace_numel = 0
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            scratch = torch.zeros(self.workspace_numel, device=x.device)
+            scratch = torch.zeros(self.workspace_numel if len(x) > 2 else 0, device=x.device)
             # 1.0: the buffer does not change the result
             scale = 1.0 + float(scratch.sum() * x.mean())
             del scratch
