@@ -75,14 +75,18 @@ def is_oom(error: BaseException) -> bool:
 
 
 def train_step(
-    prepared: autoshard.Prepared, batch: tuple[torch.Tensor, ...], loss_fn: Callable[..., Any]
+    prepared: autoshard.Prepared,
+    batch: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., Any],
+    held: list[Any],
 ) -> None:
     """One step as a user's loop runs it (with the gradient scaler when the plan uses fp16),
-    holding the output through backward and the optimizer step."""
+    holding the output through backward and the optimizer step, and in `held` (a list of one
+    item) until the next step's forward returns its own."""
     model, optimizer, _ = prepared
     optimizer.zero_grad(set_to_none=True)
-    output = model(*batch)
-    loss = loss_fn(output, batch)
+    held[0] = model(*batch)
+    loss = loss_fn(held[0], batch)
     if prepared.scaler is None:
         loss.backward()
         optimizer.step()
@@ -103,11 +107,12 @@ def timed_steps(
     """Warm up, then time `steps` steps. Returns the step times (s), each the slowest rank's, and
     whether any rank ran out of memory (agreed after every step, outside the timing)."""
     times: list[float] = []
+    held: list[Any] = [None]
     for index in range(warmup + steps):
         oom = False
         start = time.perf_counter()
         try:
-            train_step(prepared, batch, loss_fn)
+            train_step(prepared, batch, loss_fn, held)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as error:  # classified outside the except block
@@ -116,6 +121,7 @@ def timed_steps(
             oom = True
         elapsed = time.perf_counter() - start
         if oom:
+            held[0] = None
             prepared.optimizer.zero_grad(set_to_none=True)
             gc.collect()
         flags = torch.tensor([float(oom), elapsed], device=device)
@@ -133,23 +139,28 @@ def step_peak_bytes(
     loss_fn: Callable[..., Any],
     device: torch.device,
 ) -> int:
-    """This rank's peak during one more training step: the CUDA allocator's peak, or on CPU the
-    tensor bytes torch's MemTracker sees (what `prepare`'s trial step measures there too; buffers
-    allocated inside C++, such as DDP's gradient buckets, are invisible to it)."""
+    """This rank's peak during one more training step, the output of the step before it held
+    until its forward returns: the CUDA allocator's peak, or on CPU the tensor bytes torch's
+    MemTracker sees (what `prepare`'s trial step measures there too; buffers allocated inside
+    C++, such as DDP's gradient buckets, are invisible to it)."""
+    held: list[Any] = [None]
+    train_step(prepared, batch, loss_fn, held)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        train_step(prepared, batch, loss_fn)
+        train_step(prepared, batch, loss_fn, held)
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from autoshard._batch import tensors_reached
+
     model = prepared.model
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     tracker = MemTracker()
-    tracker.track_external(module, prepared.optimizer)
+    tracker.track_external(module, prepared.optimizer, *tensors_reached(held[0]))
     with tracker:
-        train_step(prepared, batch, loss_fn)
+        train_step(prepared, batch, loss_fn, held)
     snapshot = tracker.get_tracker_snapshot("peak")
     return int(sum(v.get("Total", 0) for v in snapshot.values()))
 

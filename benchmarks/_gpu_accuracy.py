@@ -122,11 +122,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step(model: Any, optimizer: Any, batch: tuple[Any, ...], loss_fn: Any) -> None:
+def step(model: Any, optimizer: Any, batch: tuple[Any, ...], loss_fn: Any, held: list[Any]) -> None:
     """One step as a user's loop runs it, the output held through backward and the optimizer
-    step."""
-    output = model(*batch)
-    loss = loss_fn(output, batch)
+    step, and in `held` (a list of one item) until the next step's forward returns its own."""
+    held[0] = model(*batch)
+    loss = loss_fn(held[0], batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -283,14 +283,15 @@ def wrap_at(built: Any, plan: autoshard.Plan, world: int, device: torch.device) 
 def run_steps(
     model: Any, optimizer: Any, batch: Any, loss_fn: Any, meter: Meter, device: torch.device
 ) -> list[float]:
+    held: list[Any] = [None]
     for _ in range(WARMUP):  # the optimizer state exists from the first step on
-        step(model, optimizer, batch, loss_fn)
+        step(model, optimizer, batch, loss_fn, held)
     times = []
     with meter.steps(model, optimizer, batch):
         for _ in range(MEASURED):
             sync(device)
             t0 = time.perf_counter()
-            step(model, optimizer, batch, loss_fn)
+            step(model, optimizer, batch, loss_fn, held)
             sync(device)
             times.append(time.perf_counter() - t0)
     return times

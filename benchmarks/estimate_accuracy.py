@@ -11,7 +11,7 @@ built again and `autoshard.prepare(...)` wraps it (with its trial step unless `-
 trial's measured peak is reported beside the figures), `--warmup` unmeasured steps run (default
 0) and `--steps` K measured steps (default 3: the first step after prepare counts), each
 `loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)` with the model's output held
-through it, as a user's loop holds it. On each rank:
+through it and into the next step's forward, as a user's loop holds it. On each rank:
 
 - allocator peak (the figure compared): on CPU, torch's profiler with `profile_memory=True`,
   started before the model is built, so that its running total of allocator bytes counts
@@ -91,13 +91,16 @@ PHASES = ("forward", "backward", "optimizer")
 # Measuring one configuration on this rank
 
 
-def train_step(prepared: autoshard.Prepared, built: zoo.ZooModel, prof: AllocatorProfile) -> None:
+def train_step(
+    prepared: autoshard.Prepared, built: zoo.ZooModel, prof: AllocatorProfile, held: list[Any]
+) -> None:
     """One steady-state step, each phase a labelled window (to say where the peak falls), the
-    output held through backward and the optimizer step as a user's loop holds it."""
+    output held through backward and the optimizer step as a user's loop holds it, and in
+    `held` (a list of one item) until the next step's forward returns its own."""
     model, optimizer, _ = prepared
     with prof.window("forward"):
-        output = call_model(model, built.batch)
-        loss = built.loss_fn(output, built.batch)
+        held[0] = call_model(model, built.batch)
+        loss = built.loss_fn(held[0], built.batch)
     with prof.window("backward"):
         (loss if prepared.scaler is None else prepared.scaler.scale(loss)).backward()
     with prof.window("optimizer"):
@@ -312,8 +315,9 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
         out["prepare_predicted_bytes"] = prepared.plan.estimated_peak_bytes
         out["trial_peak_bytes"] = prepared.plan.measured_peak_bytes
         out["trial_reasons"] = [r for r in prepared.plan.reasons if "trial" in r.lower()]
+        held: list[Any] = [None]
         for _ in range(args.warmup):
-            train_step(prepared, built, prof)
+            train_step(prepared, built, prof, held)
         tracker = make_tracker(prepared, built.batch) if args.tracker else NoTracker()
         times = []
         with prof.window(MEASURED), tracker:
@@ -321,7 +325,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
                 cuda.start()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                train_step(prepared, built, prof)
+                train_step(prepared, built, prof, held)
                 times.append(time.perf_counter() - t0)
                 tracker.reset_mod_stats()  # its per-module stats refuse a second iteration
             if cuda:
@@ -330,7 +334,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
         out["step_s"] = statistics.median(times)
         known = state_pointers(prepared, built.batch)
         # Free everything inside the profile: what stays is retained (by the tracker) or leaked.
-        del prepared, built, tracker
+        del prepared, built, tracker, held
         gc.collect()
     live = prof.live_bytes(MEASURED, known)
     out["allocator_peak_bytes"] = cuda.peak if cuda else live.peak

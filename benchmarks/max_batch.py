@@ -189,8 +189,9 @@ class NoWindows:
 
 def run_steps(prepared: autoshard.Prepared, built: zoo.ZooModel, steps: int, prof: Any) -> None:
     """`steps` steps as estimate_accuracy.py runs them, each phase a window of `prof`."""
+    held: list[Any] = [None]
     for _ in range(steps):
-        train_step(prepared, built, prof)
+        train_step(prepared, built, prof, held)
 
 
 def forced(choice: dict[str, Any]) -> dict[str, Any]:

@@ -683,11 +683,12 @@ def _steps(model: Any, built: Any, device: Any) -> tuple[list[float], str | None
     from _gpu_accuracy import step, sync
 
     times: list[float] = []
+    held: list[Any] = [None]
     try:
         for _ in range(STEPS):
             sync(device)
             began = time.perf_counter()
-            step(model, built.optimizer, built.batch, built.loss_fn)
+            step(model, built.optimizer, built.batch, built.loss_fn, held)
             sync(device)
             times.append(time.perf_counter() - began)
     except torch.OutOfMemoryError as error:
