@@ -4,11 +4,12 @@ by the trial step alike."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 from autoshard._torch_compat import disable_current_modes, tree_map
 
@@ -223,23 +224,40 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def tensors_reached(obj: Any, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
+def tensors_reached(
+    obj: Any, skip: tuple[type, ...] = (), outside: Iterable[torch.Tensor] = ()
+) -> list[torch.Tensor]:
     """Every tensor a model's output reaches: in containers, and in the attributes of the
     objects it holds (a Hugging Face ModelOutput's cache: `DynamicCache.layers[i].keys`, every
-    layer's keys and values, alive as long as the output is), each object visited once; not
-    through a module, a class or a function (the model's own parameters are not its output),
-    nor through an object of the types `skip`."""
+    layer's keys and values, alive as long as the output is), and through its tensors' autograd
+    graphs to the leaves they hold and their gradients (a tensor a forward made with
+    `requires_grad_()`, MRA's attention without its CUDA kernel), each object visited once; not
+    through a module, a class or a function, nor through an object of the types `skip`, nor to
+    or through the tensors `outside` (the parameters, which the graph reaches, and their
+    gradients are not the output's)."""
     found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # what was seen, kept alive while the walk goes on: a graph node's Python object may be made
+    # when asked for and freed after (torch 2.11), and its id given to the next one
+    seen: dict[int, Any] = {id(t): t for t in outside}
     stack = [obj]
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
-            found.setdefault(id(x), x)
+            if id(x) not in found and id(x) not in seen:
+                found[id(x)] = x
+                # a non-leaf's .grad, unless retained, is None (and warns)
+                stack.extend((x.grad_fn, x.grad if x.is_leaf or x.retains_grad else None))
             continue
-        if id(x) in seen or isinstance(x, (*_NOT_OUTPUT, *skip)) or callable(x):
+        if id(x) in seen:
             continue
-        seen.add(id(x))
+        if isinstance(x, Node):
+            seen[id(x)] = x
+            stack.append(getattr(x, "variable", None))  # AccumulateGrad's leaf
+            stack.extend(function for function, _ in x.next_functions)
+            continue
+        if isinstance(x, (*_NOT_OUTPUT, *skip)) or callable(x):
+            continue
+        seen[id(x)] = x
         if isinstance(x, Mapping):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):

@@ -251,7 +251,7 @@ def released(tracker: Any, output: list[Any], kept: list[torch.Tensor]) -> int:
     known = {storage_key(t.untyped_storage()) for t in kept if stored(t)}
     reached = {
         storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
-        for t in tensors_reached(output[0])
+        for t in tensors_reached(output[0], outside=kept)
         if stored(t)
     }
     floor = sum(n for key, n in reached.items() if key not in known)

@@ -48,7 +48,7 @@ from autoshard.measure.answers import Recorder, agreed, found_together
 from autoshard.measure.fake import batch_value, fake_mode, fake_tensor, wider_fake_kernels
 from autoshard.measure.flops import FlopFormulas
 from autoshard.measure.priced import moving_order, order
-from autoshard.measure.rise import BackwardRise
+from autoshard.measure.rise import BackwardRise, stored
 from autoshard.measure.traffic import Traffic
 from autoshard.strategies.engines import is_transformers_layer, transformers_caches
 from autoshard.wrap.snapshot import attributes_kept
@@ -111,6 +111,7 @@ class _Attribution:
         made_in: Callable[[int], int | None],
         beside_saved: bool,
         leave_cache: list[bool],
+        outside: Iterable[torch.Tensor],
     ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         """Bytes of the storages `output` holds, but the parameters' and the batch's, and with
         `beside_saved` (run after `forward_done`) but those saved for backward: in all, and of
@@ -120,15 +121,23 @@ class _Attribution:
         after backward, all of them, what a loop that keeps the output until the next one
         replaces it carries into the next step's forward. Third, of each block's, those the
         output reaches through a transformers cache alone where the block `leave_cache`s (a
-        checkpointed transformers layer leaves the cache out: it adds none of them then)."""
+        checkpointed transformers layer leaves the cache out: it adds none of them then).
+        Nothing is reached through the tensors `outside` (the parameters and their gradients)."""
         held: dict[int, int] = {}
-        for tensor in tensors_reached(output):
+        outside = list(outside)
+        for tensor in tensors_reached(output, outside=outside):
+            if not stored(tensor):
+                continue
             storage = tensor.untyped_storage()
             key = storage_key(storage)
             if key not in self.existing and not (beside_saved and key in self.nbytes):
                 held[key] = storage.nbytes()
         caches = transformers_caches()
-        besides = {storage_key(t.untyped_storage()) for t in tensors_reached(output, caches)}
+        besides = {
+            storage_key(t.untyped_storage())
+            for t in tensors_reached(output, caches, outside)
+            if stored(t)
+        }
         by_block = [0] * len(self.inputs)
         in_cache = [0] * len(self.inputs)
         for key, size in held.items():
@@ -247,6 +256,7 @@ def profile_step(
     cast_to = autocast_dtype if cast else None
     taken: dict[str, Any] = {}  # the forward's figures, taken before backward
     leave_cache = [is_transformers_layer(block) for block in blocks]
+    outside = list(state.values())  # what the output's autograd graph reaches, not the output's
 
     def step(model: nn.Module) -> None:
         with autocast:
@@ -264,10 +274,10 @@ def profile_step(
         # Only forward FLOPs are kept: an operator miscounted in backward changes no figure.
         taken["formulas"] = sorted(formulas.by_own), sorted(formulas.uncounted)
         attribution.forward_done()
-        taken["output"] = attribution.held_by(output, made.made_in, True, leave_cache)
+        taken["output"] = attribution.held_by(output, made.made_in, True, leave_cache, outside)
         traffic.in_forward = False
         loss.backward()  # the output held through it, as a loop holding it does
-        taken["carried"] = attribution.held_by(output, made.made_in, False, leave_cache)
+        taken["carried"] = attribution.held_by(output, made.made_in, False, leave_cache, outside)
 
     try:
         with (
