@@ -1,7 +1,10 @@
-"""How far a training step's held bytes rise in backward above where they stood as it began, and
-what each block holds in its forward and its backward: a dispatch mode over the traced step
-(`trace.profile_step`), for the formulas' backward temporaries (`ActivationProfile.
-backward_rise_bytes`) and checkpointed blocks (`ActivationProfile.block_checkpointed_bytes`)."""
+"""How far a training step's held bytes rise in backward above where they stood as it began, how
+far its forward rose above where it ends, and what each block holds in its forward and its
+backward: a dispatch mode over the traced step (`trace.profile_step`), for the formulas' backward
+temporaries (`ActivationProfile.backward_rise_bytes`), the forward's peak
+(`ActivationProfile.forward_rise_bytes`) and checkpointed blocks
+(`ActivationProfile.block_checkpointed_bytes`, `block_forward_peak_bytes`), and which block made a
+storage the output holds (`made_in`)."""
 
 from __future__ import annotations
 
