@@ -111,7 +111,7 @@ class _Attribution:
         made_in: Callable[[int], int | None],
         beside_saved: bool,
         leave_cache: list[bool],
-        outside: Iterable[torch.Tensor],
+        outside: list[torch.Tensor],
     ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         """Bytes of the storages `output` holds, but the parameters' and the batch's, and with
         `beside_saved` (run after `forward_done`) but those saved for backward: in all, and of
@@ -124,7 +124,6 @@ class _Attribution:
         checkpointed transformers layer leaves the cache out: it adds none of them then).
         Nothing is reached through the tensors `outside` (the parameters and their gradients)."""
         held: dict[int, int] = {}
-        outside = list(outside)
         for tensor in tensors_reached(output, outside=outside):
             if not stored(tensor):
                 continue
