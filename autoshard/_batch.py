@@ -4,7 +4,9 @@ by the trial step alike."""
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -231,7 +233,8 @@ def tensors_reached(
     objects it holds (a Hugging Face ModelOutput's cache: `DynamicCache.layers[i].keys`, every
     layer's keys and values, alive as long as the output is), and through its tensors' autograd
     graphs to the leaves they hold and their gradients (a tensor a forward made with
-    `requires_grad_()`, MRA's attention without its CUDA kernel), each object visited once; not
+    `requires_grad_()`, MRA's attention without its CUDA kernel) and the tensors a custom
+    autograd Function kept on its context, each object visited once; not
     through a module, a class or a function, nor through an object of the types `skip`, nor to
     or through the tensors `outside` (the parameters, which the graph reaches, and their
     gradients are not the output's)."""
@@ -254,24 +257,57 @@ def tensors_reached(
             seen[id(x)] = x
             stack.append(getattr(x, "variable", None))  # AccumulateGrad's leaf
             stack.extend(function for function, _ in x.next_functions)
+            # a custom autograd Function's context: the tensors its forward kept on it
+            # (`ctx.mask`), not what else it holds (FSDP2's keeps its parameter group)
+            stack.extend(t for t in _attributes(x) if isinstance(t, torch.Tensor))
             continue
         if isinstance(x, (*_NOT_OUTPUT, *skip)) or callable(x):
             continue
         seen[id(x)] = x
-        if isinstance(x, Mapping):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            stack.extend(x)
-        else:
-            stack.extend(getattr(x, "__dict__", {}).values())
-            for name in getattr(type(x), "__slots__", ()):
-                stack.append(getattr(x, name, None))
+        stack.extend(_members(x))
     return list(found.values())
 
 
 # What an output's walk does not enter (`tensors_reached`), besides what is callable (a module,
-# a class, a function)
-_NOT_OUTPUT = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+# a class, a function): a Python module too, whose globals are not the output's
+_NOT_OUTPUT = (
+    str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, ModuleType,
+)  # fmt: skip
+
+
+def _members(x: Any) -> list[Any]:
+    """What an object of an output holds: a container's items, else its attributes; nothing
+    where they cannot be read (a custom mapping's `values` or `__getattr__` that raises), as
+    what the walk cannot read it cannot count, and must not fail the estimate for."""
+    try:
+        if isinstance(x, Mapping):
+            return list(x.values())
+        if isinstance(x, (list, tuple, set, frozenset, deque)):
+            return list(x)
+    except Exception:  # noqa: BLE001 - see above
+        return []
+    return _attributes(x)
+
+
+def _attributes(x: Any) -> list[Any]:
+    """The values of an object's instance attributes, in its `__dict__` and in the `__slots__`
+    of its class and their bases, read without its `__getattr__`; those that cannot be read are
+    left out."""
+    values: list[Any] = []
+    try:
+        values.extend(object.__getattribute__(x, "__dict__").values())
+    except Exception:  # noqa: BLE001 - no __dict__, or one that cannot be read
+        pass
+    for cls in type(x).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                values.append(object.__getattribute__(x, name))
+            except Exception:  # noqa: BLE001 - a slot not set, or a descriptor that raises
+                pass
+    return values
 
 
 def on_meta(model: torch.nn.Module) -> bool:

@@ -6,6 +6,8 @@ need, alive until the loop lets the output go."""
 from __future__ import annotations
 
 import sys
+import types
+from collections import deque
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from _dist import REPO
 from torch import nn
 
 import autoshard
+from autoshard._batch import tensors_reached
 from autoshard.measure import simulate
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -196,6 +199,68 @@ def test_what_the_output_s_graph_holds_is_carried(
         monkeypatch.setattr(simulate, "simulate", refused)
     real, estimate = _real_and_simulated(_build_leaves, torch.randn(ROWS, 64))
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
+
+
+class _Twice(torch.autograd.Function):
+    """Keeps a tensor of its own on its context, as a custom Function keeps a mask."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.mask = torch.ones(300)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * ctx.mask[0]
+
+
+class _Base:
+    __slots__ = ("inherited",)
+
+
+class _Lookup(_Base):
+    """A slotted object whose `__getattr__` raises for any name it lacks (a lookup table)."""
+
+    __slots__ = "own"  # one slot, named by a string
+
+    def __init__(self) -> None:
+        self.inherited = torch.ones(100)
+        self.own = torch.ones(200)
+
+    def __getattr__(self, name: str) -> Any:
+        raise KeyError(name)
+
+
+def test_the_output_s_walk_reaches_what_its_objects_hold_and_never_fails() -> None:
+    """The walk read `__dict__` through an object's own `__getattr__` (a KeyError from it failed
+    the whole trace: activations not estimated), read only the class's own slots (not a base's,
+    and a string of slots letter by letter), did not enter a deque or a custom Function's
+    context, and entered a Python module (its globals, the whole program's, counted as the
+    output's)."""
+    holder = types.ModuleType("holder")
+    holder.big = torch.zeros(1000)  # a module's global: not the output's
+    x = torch.ones(50, requires_grad=True)
+    output = {
+        "lookup": _Lookup(),
+        "queue": deque([torch.ones(400)]),
+        "twice": _Twice.apply(x),
+        "module": holder,
+    }
+    sizes = sorted(t.numel() for t in tensors_reached(output, outside=[x]))
+    assert sizes == [50, 100, 200, 300, 400]  # the output, both slots, the mask, the deque's
+
+    model = nn.Linear(64, 64)
+
+    def forward(batch: torch.Tensor) -> dict[str, Any]:
+        out = nn.Linear.forward(model, batch)
+        return {"loss": out.square().mean(), "extras": _Lookup()}
+
+    model.forward = forward  # type: ignore[method-assign]
+    plan = autoshard.plan(
+        model, torch.optim.AdamW(model.parameters()), torch.randn(32, 64),
+        loss_fn=lambda out, batch: out["loss"], mixed_precision="no",
+    )  # fmt: skip
+    assert not any("not estimated" in reason for reason in plan.reasons), plan.reasons
 
 
 def test_the_trial_step_keeps_the_previous_output_as_a_loop_does() -> None:
