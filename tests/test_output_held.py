@@ -70,6 +70,43 @@ def test_the_estimate_holds_the_output_a_loop_holds(
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
 
+class _Logits(nn.Module):
+    """Returns its logits, which a loss that squares them saves for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.head = nn.Linear(256, 16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _build_logits() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Logits()
+    return model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+
+def test_the_formulas_hold_the_whole_output_at_the_optimizer_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the optimizer step the output still holds what backward saved of it (the logits a
+    squared loss saves): the formulas counted only what it holds beyond that, and read 2.0%
+    under the allocator's peak; now 0.1% over."""
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no simulation: the formulas stand for it")
+
+    monkeypatch.setattr(simulate, "simulate", refused)
+    real, estimate = _real_and_simulated(
+        _build_logits, torch.randn(64, 256), loss_fn=lambda out, batch: out.square().mean()
+    )
+    assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
+
+
 class _Cache:
     """What a decoder returns beside its loss for generation: each block's keys (as
     transformers' `DynamicCache.layers[i].keys`), alive as long as the output is."""

@@ -414,10 +414,14 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         step_temp = grads if stats.optimizer_bytes else 0
     else:
         step_temp = -(-stats.step_temporary_bytes // n)
-    step = (params, grads, optimizer_state, held, retired_bucket_bytes(stats, s), step_temp)
+    # after backward the output holds what backward saved of it too (logits a loss squared)
+    after = held
+    if profile is not None:
+        after = max(held, stats.input_bytes + profile.carried(s.checkpointed))
+    step = (params, grads, optimizer_state, after, retired_bucket_bytes(stats, s), step_temp)
     if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = (stats.buffer_bytes, 0, 0, *backward[3:])
-        step = (stats.buffer_bytes, 0, 0, held, 0, 0)
+        step = (stats.buffer_bytes, 0, 0, after, 0, 0)
     terms = max(backward, step, key=sum)
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
