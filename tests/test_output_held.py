@@ -238,6 +238,65 @@ def test_what_the_output_s_graph_holds_is_carried(
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
 
+class _WideBlock(nn.Module):
+    """A wide layer on few rows, whose gradient outweighs what its forward saves; returns its
+    input twice over beside its output, for the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(1024, 1024)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + torch.tanh(self.mix(x)), x.repeat(1, 2)
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_WideBlock() for _ in range(4))
+        self.head = nn.Linear(1024, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        cache = _Cache()
+        for block in self.blocks:
+            x, key = block(x)
+            cache.keys.append(key)
+        return {"loss": self.head(x).square().mean(), "cache": cache}
+
+
+def _build_wide() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Wide()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["unchecked", "checkpointed"])
+@pytest.mark.parametrize("simulated", [True, False], ids=["simulated", "formulas"])
+def test_accumulated_gradients_are_beside_the_forward_carrying_the_last_output(
+    simulated: bool, checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unwrapped, under gradient accumulation, every gradient of the earlier micro-batches is
+    alive through the next forward, beside the previous micro-batch's output: the peak is that
+    forward's end, where one micro-batch's step has no gradient yet. The simulation added the
+    accumulated gradients to its backward's peak (which held its own), and read 17.8% under the
+    allocator's peak of that loop (every block checkpointed: 11.6%); now 1.8% and 1.9% over
+    (the formulas, which add them moment by moment, 1.8% and 3.8%)."""
+    if not simulated:
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("no simulation: the formulas stand for it")
+
+        monkeypatch.setattr(simulate, "simulate", refused)
+    real, estimate = _real_and_simulated(
+        _build_wide,
+        torch.randn(256, 1024),
+        checkpointed=checkpointed,
+        loss_fn=_key_loss,
+        accumulation_steps=2,
+    )
+    assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
+
+
 class _Twice(torch.autograd.Function):
     """Keeps a tensor of its own on its context, as a custom Function keeps a mask."""
 

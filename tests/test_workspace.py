@@ -457,13 +457,15 @@ def _real_and_simulated(
     batch: torch.Tensor,
     checkpointed: bool = False,
     loss_fn: Callable[[Any, Any], torch.Tensor] = lambda out, batch: out,
+    accumulation_steps: int = 1,
 ) -> tuple[int, int]:
     """The allocator's peak over real steps 2 and 3 of the model `build` makes (counted from
     before it exists), and the simulated peak of its plan unwrapped, tensors only. The loop
     holds the model's output through backward and the optimizer step, and through the next
-    step's forward until the model returns the next one (`output = model(batch)`); `loss_fn`
-    makes the loss of it (by default the output is the loss). With `checkpointed`, every block
-    of `model.blocks` is checkpointed, in the real steps as the plan asks."""
+    forward until the model returns the next one (`output = model(batch)`); `loss_fn` makes the
+    loss of it (by default the output is the loss). With `checkpointed`, every block of
+    `model.blocks` is checkpointed, in the real steps as the plan asks; each step sums the
+    gradients of `accumulation_steps` micro-batches, as the plan is told."""
     from autoshard.strategies.engines import checkpoint_block
 
     gc.collect()
@@ -474,8 +476,9 @@ def _real_and_simulated(
         output = None
         for step in range(3):  # the first creates AdamW's state
             with prof.window(f"step{step}"):
-                output = model(batch)
-                loss_fn(output, batch).backward()
+                for _ in range(accumulation_steps):
+                    output = model(batch)
+                    loss_fn(output, batch).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         del model, optimizer, output
@@ -486,6 +489,7 @@ def _real_and_simulated(
     plan = autoshard.plan(
         model, optimizer, batch, loss_fn=loss_fn, strategy="local",
         mixed_precision="no", activation_checkpointing=checkpointed,
+        accumulation_steps=accumulation_steps,
     )  # fmt: skip
     footprint = plan.chosen.footprint
     return real, footprint.peak - footprint.overheads - footprint.workspace

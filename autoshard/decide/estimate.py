@@ -8,6 +8,7 @@ freed, optimizer temporaries alive).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -215,6 +216,13 @@ class Simulated:
     checkpointed_backward: Phase | None = None
     # some group's optimizer step ran parameter by parameter (not foreach, not fused)
     per_parameter_step: bool = False
+    # The moment of forward and backward with the most bytes besides gradients (with every
+    # block checkpointed: `checkpointed_accumulating`). Unwrapped under gradient accumulation,
+    # every gradient of the earlier micro-batches is alive at each moment: this one is the peak
+    # then, which may be another than `backward` (a forward carrying the last micro-batch's
+    # output, where backward's peak held its own gradients). None: the same as the peak.
+    accumulating: Phase | None = None
+    checkpointed_accumulating: Phase | None = None
 
     def scaled(self, ratio: float, per_parameter: float) -> Simulated:
         """The sharded terms at another shard size: the parameters, gradients and optimizer
@@ -223,8 +231,11 @@ class Simulated:
         left unscaled, a 16,384-rank plan simulated on 8 carried an eighth of a 405B model's
         parameters as temporaries), a per-parameter step copies of one at a time
         (`per_parameter`, `per_parameter_ratio`)."""
-        every = self.checkpointed_backward
         temporaries = per_parameter if self.per_parameter_step else ratio
+
+        def scaled(phase: Phase | None) -> Phase | None:
+            return phase.scaled(ratio) if phase is not None else None
+
         return replace(
             self,
             backward=self.backward.scaled(ratio),
@@ -232,7 +243,9 @@ class Simulated:
                 self.step.scaled(ratio),
                 temporaries=round(self.step.temporaries * temporaries),
             ),
-            checkpointed_backward=every.scaled(ratio) if every is not None else None,
+            checkpointed_backward=scaled(self.checkpointed_backward),
+            accumulating=scaled(self.accumulating),
+            checkpointed_accumulating=scaled(self.checkpointed_accumulating),
         )
 
 
@@ -286,35 +299,22 @@ def from_simulation(
     ratio = shard_ratio(stats, sim.degree, degree) if sharded else 1.0
     per_parameter = per_parameter_ratio(stats, (sim.degree, 0), (degree, 0)) if sharded else 1.0
     at_degree = sim.scaled(ratio, per_parameter)
-    backward, step, every = at_degree.backward, at_degree.step, at_degree.checkpointed_backward
+    step = at_degree.step
+    backward = _checkpointed(at_degree.backward, at_degree.checkpointed_backward, profile, s)
     if (
-        every is not None
-        and profile is not None
-        and s.checkpointed >= len(profile.block_saved_bytes)
+        recipe(s.strategy).engine is Engine.NONE
+        and s.accumulation_steps > 1
+        and at_degree.accumulating is not None
     ):
-        backward = every  # simulated as it is
-    elif profile is not None and s.checkpointed:
-        # The trackers file some saved tensors as temporaries (those first seen in backward):
-        # what checkpointing frees comes off the activations first, then the temporaries.
-        freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
-        # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
-        # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
-        # copies). Scale what checkpointing frees by how much the simulation saved against it.
-        traced = profile.activation_bytes(0)
-        simulated = backward.activations + backward.temporaries
-        if recipe(s.strategy).sharded and 0 < simulated < traced:
-            freed = freed * simulated // traced
-        from_activations = min(freed, backward.activations)
-        backward = replace(
+        # every gradient alive from the second micro-batch on, at every moment: the moment with
+        # the most bytes besides them is the peak where it is another than backward's
+        every = at_degree.checkpointed_accumulating or at_degree.checkpointed_backward
+        accumulating = _checkpointed(at_degree.accumulating, every, profile, s, _besides_grads)
+        backward = max(
             backward,
-            activations=backward.activations - from_activations,
-            temporaries=max(0, backward.temporaries - (freed - from_activations)),
+            accumulating,
+            key=lambda p: _sum(p) + accumulated_grad_bytes(stats, s, p.grads),
         )
-        # Checkpointing moves the peak later into backward, where gradients have accumulated
-        # and recomputed blocks are gathered: never below the peak with every block checkpointed
-        # (fewer checkpointed blocks only keep more alive).
-        if every is not None and _sum(every) > _sum(backward):
-            backward = every
     if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
         backward = replace(backward, params=0, grads=0, optimizer_state=0)
         step = Phase(0, step.buffers, 0, 0, step.activations, 0, 0)
@@ -335,8 +335,55 @@ def from_simulation(
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
 
 
+def _checkpointed(
+    backward: Phase,
+    every: Phase | None,
+    profile: ActivationProfile | None,
+    s: Setting,
+    key: Callable[[Phase], int] | None = None,
+) -> Phase:
+    """A simulated forward/backward moment (`backward`, with no block checkpointed) with the
+    first `s.checkpointed` blocks checkpointed; `every`: the same moment simulated with every
+    block checkpointed, where that ran, the larger by `key` (default: the total)."""
+    key = key or _sum
+    if (
+        every is not None
+        and profile is not None
+        and s.checkpointed >= len(profile.block_saved_bytes)
+    ):
+        return every  # simulated as it is
+    if profile is None or not s.checkpointed:
+        return backward
+    # The trackers file some saved tensors as temporaries (those first seen in backward):
+    # what checkpointing frees comes off the activations first, then the temporaries.
+    freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
+    # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
+    # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
+    # copies). Scale what checkpointing frees by how much the simulation saved against it.
+    traced = profile.activation_bytes(0)
+    simulated = backward.activations + backward.temporaries
+    if recipe(s.strategy).sharded and 0 < simulated < traced:
+        freed = freed * simulated // traced
+    from_activations = min(freed, backward.activations)
+    backward = replace(
+        backward,
+        activations=backward.activations - from_activations,
+        temporaries=max(0, backward.temporaries - (freed - from_activations)),
+    )
+    # Checkpointing moves the peak later into backward, where gradients have accumulated
+    # and recomputed blocks are gathered: never below the peak with every block checkpointed
+    # (fewer checkpointed blocks only keep more alive).
+    if every is not None and key(every) > key(backward):
+        return every
+    return backward
+
+
 def _sum(phase: Phase) -> int:
     return sum(getattr(phase, f.name) for f in fields(phase))
+
+
+def _besides_grads(phase: Phase) -> int:
+    return _sum(phase) - phase.grads
 
 
 def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -> Footprint:

@@ -609,13 +609,18 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
     def phase(x: Any) -> Phase:
         return Phase(**{k: _int(v) for k, v in x.items()})
 
-    checkpointed = value.get("checkpointed_backward")
+    def maybe(name: str) -> Phase | None:
+        x = value.get(name)
+        return None if x is None else phase(x)
+
     return Simulated(
         backward=phase(value["backward"]),
         step=phase(value["step"]),
         degree=_int(value["degree"]),
-        checkpointed_backward=None if checkpointed is None else phase(checkpointed),
+        checkpointed_backward=maybe("checkpointed_backward"),
         per_parameter_step=bool(value["per_parameter_step"]),
+        accumulating=maybe("accumulating"),
+        checkpointed_accumulating=maybe("checkpointed_accumulating"),
     )
 
 

@@ -67,7 +67,14 @@ from autoshard.measure.fake import (
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
-from autoshard.measure.step import autograd_on, peak_of, total, tracked_step, with_state
+from autoshard.measure.step import (
+    autograd_on,
+    besides_grads,
+    peak_of,
+    total,
+    tracked_step,
+    with_state,
+)
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
@@ -148,9 +155,18 @@ def simulate(
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            return Simulated(*found, degree, per_parameter_step=loop)
+            backward, step, accumulating = found
+            return Simulated(
+                backward, step, degree, per_parameter_step=loop, accumulating=accumulating
+            )
     moments, step = run(None, None)
-    return Simulated(peak_of(moments), step, degree, per_parameter_step=loop)
+    return Simulated(
+        peak_of(moments),
+        step,
+        degree,
+        per_parameter_step=loop,
+        accumulating=peak_of(moments, besides_grads),
+    )
 
 
 def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
@@ -162,9 +178,10 @@ def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
 
 def _by_periods(
     run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout
-) -> tuple[Phase, Phase] | None:
-    """The forward/backward and step peaks from copies of 3, 4, 5 (then 6) periods of every
-    list (`run`), extended (`_extended`); None where they are not on one line."""
+) -> tuple[Phase, Phase, Phase] | None:
+    """The forward/backward and step peaks and the moment with the most bytes besides gradients
+    from copies of 3, 4, 5 (then 6) periods of every list (`run`), extended (`_extended`); None
+    where they are not on one line."""
     runs = {k: run(repeats, k) for k in SHALLOW}
     while True:
         k1, k2, k3 = sorted(runs)[-3:]
@@ -179,9 +196,10 @@ def _by_periods(
 
 def _extended(
     p1: Steps, p2: Steps, p3: Steps, depths: tuple[int, int, int], full: int
-) -> tuple[Phase, Phase] | None:
-    """The forward/backward peak and the step's at `full` periods from runs at three `depths`,
-    or None where the third is off the line through the first two.
+) -> tuple[Phase, Phase, Phase] | None:
+    """The forward/backward peak, the step's and the moment with the most bytes besides
+    gradients (`besides_grads`) at `full` periods from runs at three `depths`, or None where the
+    third is off the line through the first two.
 
     Each moment of forward and backward is extended on its own and the largest taken at the full
     depth: the peak's moment can move with depth (the head's backward with few blocks, the end
@@ -194,22 +212,28 @@ def _extended(
     met = {label: p3[0][label] for label in p3[0] if label in p1[0] or label == INTERIOR}
     actual = peak_of(met)
     extended = _extend_moments(p2[0], p3[0], k2, k3, full)
-    if line is None or extended is None:
+    accumulating = _extend_moments(p2[0], p3[0], k2, k3, full, besides_grads)
+    if line is None or extended is None or accumulating is None:
         return None
     if abs(total(line) - total(actual)) > _LINEARITY_TOLERANCE * total(actual):
         return None
-    return extended, _extend(p2[1], p3[1], k2, k3, full)
+    return extended, _extend(p2[1], p3[1], k2, k3, full), accumulating
 
 
 def _extend_moments(
-    a: dict[str, list[Phase]], b: dict[str, list[Phase]], d1: int, d2: int, depth: int
+    a: dict[str, list[Phase]],
+    b: dict[str, list[Phase]],
+    d1: int,
+    d2: int,
+    depth: int,
+    key: Callable[[Phase], int] = total,
 ) -> Phase | None:
     """The forward/backward peak at `depth` periods: each moment met at both d1 and d2 extended
     instant by instant (its k-th operator at d1 with its k-th at d2, `_extend`), the largest
-    taken. A moment's peak is the largest of lines in depth, one per instant, so extending its
-    peak alone falls short once a steeper instant overtakes it (a Llama's head: the loss's
-    temporaries with few blocks, the last block's output beside every block's cast weights with
-    many). An interior block's moment is left out, its largest sitting at an end
+    (by `key`) taken. A moment's peak is the largest of lines in depth, one per instant, so
+    extending its peak alone falls short once a steeper instant overtakes it (a Llama's head:
+    the loss's temporaries with few blocks, the last block's output beside every block's cast
+    weights with many). An interior block's moment is left out, its largest sitting at an end
     (`layout.Stretch.label`). None where a moment ran a different number of operators at the two
     depths: the model is then simulated whole."""
     common = [label for label in b if label in a and not label.endswith(INTERIOR)]
@@ -221,7 +245,7 @@ def _extend_moments(
             for label in common
             for x, y in zip(a[label], b[label], strict=True)
         ),
-        key=total,
+        key=key,
     )
 
 
@@ -525,14 +549,18 @@ class Tally:
 
 
 def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
-    """Each strategy's unchecked simulation, with the forward/backward peak of its checkpointed
-    one where that ran too (which leaves out the optimizer state: the unchecked one's is added)."""
+    """Each strategy's unchecked simulation, with the forward/backward peak (and the moment with
+    the most bytes besides gradients) of its checkpointed one where that ran too (which leaves
+    out the optimizer state: the unchecked one's is added)."""
+
+    def with_plain_state(phase: Phase | None, plain: Simulated) -> Phase | None:
+        return None if phase is None else with_state(phase, plain.backward.optimizer_state)
+
     return {
         strategy: replace(
             plain,
-            checkpointed_backward=with_state(
-                runs[strategy, True].backward, plain.backward.optimizer_state
-            ),
+            checkpointed_backward=with_plain_state(runs[strategy, True].backward, plain),
+            checkpointed_accumulating=with_plain_state(runs[strategy, True].accumulating, plain),
         )
         if (strategy, True) in runs
         else plain

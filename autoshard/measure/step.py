@@ -4,7 +4,7 @@ as in a steady step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
@@ -279,9 +279,15 @@ def in_forward(label: str) -> bool:
     return label == FORWARD or label.startswith(f"{FORWARD} ")
 
 
-def peak_of(moments: dict[str, list[Phase]]) -> Phase:
-    """The forward/backward peak: the largest of any moment."""
-    return max((phase for phases in moments.values() for phase in phases), key=total)
+def peak_of(moments: dict[str, list[Phase]], key: Callable[[Phase], int] | None = None) -> Phase:
+    """The forward/backward peak: the largest of any moment (by `key`, default its total)."""
+    return max((phase for phases in moments.values() for phase in phases), key=key or total)
+
+
+def besides_grads(phase: Phase) -> int:
+    """A moment's bytes other than its gradients: what orders the moments where every gradient
+    is alive at each (earlier micro-batches' under gradient accumulation, unwrapped)."""
+    return total(phase) - phase.grads
 
 
 def with_state(phase: Phase, state: int) -> Phase:
