@@ -161,16 +161,17 @@ def _peak_meter(
 
 
 def attempt(wrapping: Wrapping, work: Work, usable: int) -> Agreed:
-    """The trial under sync points (two steps for a fresh optimizer); every rank leaves with the
-    same codes."""
+    """The trial under sync points (two steps); every rank leaves with the same codes."""
     optimizer, limit = work.optimizer, work.request.memory_limit
     agreement = Agreement(wrapping.world)
     error: Exception | None = None
     box: list[int | None] = [None]
     losses: list[float] = []
-    # A fresh optimizer creates its state in the first step: only the second one runs forward and
-    # backward next to it, which is the peak every later step reaches.
-    steps = 1 if optimizer.state else 2
+    # Two steps, as a loop's later ones run: a fresh optimizer creates its state in the first,
+    # and only the second runs forward and backward next to it; and the second's forward runs
+    # beside the first one's output, which a loop holds until the model returns the next (an
+    # optimizer with its state already made needs the second for that alone).
+    steps = 2
     started = time.perf_counter()
     # The caller's peak statistics are given back after the cap is lifted (the block restoring
     # them may be larger than the cap).
