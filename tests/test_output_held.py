@@ -396,6 +396,29 @@ def test_the_trial_step_keeps_the_previous_output_for_an_optimizer_with_state() 
     assert plan.measured_peak_bytes == real
 
 
+def test_ranks_agree_on_what_checkpointing_leaves_out_of_the_output_by_the_least() -> None:
+    """Every rank decides from one profile: it took each block's largest figure over the ranks,
+    also of what checkpointing leaves out of the output, which the estimate takes away: a rank
+    whose cache held its blocks' keys alone made every rank's carried output 0 (100 bytes on
+    one rank, 80 on the other), where the least any rank carries is 80."""
+    from autoshard.decide.profile import ActivationProfile
+    from autoshard.measure.facts import worst
+
+    def profile(carried: int, left: tuple[int, int]) -> ActivationProfile:
+        return ActivationProfile(
+            (10, 10), (1, 1), 0, 0, 10, (0, 0), 0, torch.float32,
+            carried_bytes=carried, block_carried_bytes=(carried // 2,) * 2,
+            block_carried_left_bytes=left, output_bytes=carried,
+            block_output_bytes=(carried // 2,) * 2, block_output_left_bytes=left,
+        )  # fmt: skip
+
+    cache_only, kept = profile(100, (50, 50)), profile(80, (0, 0))
+    agreed = worst([cache_only, kept])
+    assert agreed is not None
+    assert agreed.carried(2) == agreed.output_held(2) == 100
+    assert agreed.carried(2) >= max(cache_only.carried(2), kept.carried(2))
+
+
 def test_a_shallow_trace_extends_what_the_output_holds_with_depth(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

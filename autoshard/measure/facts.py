@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -586,11 +586,12 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         backward_rise_bytes=max(p.backward_rise_bytes for p in known),
         rise_into_buffers_bytes=max(p.rise_into_buffers_bytes for p in known),
         output_bytes=max(p.output_bytes for p in known),
-        block_output_bytes=_most(p.block_output_bytes for p in known),
+        # what the estimate takes away, the least any rank's does
+        block_output_bytes=_least(p.block_output_bytes for p in known),
         carried_bytes=max(p.carried_bytes for p in known),
         block_carried_bytes=_most(p.block_carried_bytes for p in known),
-        block_output_left_bytes=_most(p.block_output_left_bytes for p in known),
-        block_carried_left_bytes=_most(p.block_carried_left_bytes for p in known),
+        block_output_left_bytes=_least(p.block_output_left_bytes for p in known),
+        block_carried_left_bytes=_least(p.block_carried_left_bytes for p in known),
         forward_rise_bytes=max(p.forward_rise_bytes for p in known),
         block_forward_peak_bytes=_most(p.block_forward_peak_bytes for p in known),
         block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
@@ -604,10 +605,24 @@ def _most(figures: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
     """Each block's largest figure over the ranks' profiles; none where their blocks differ in
     number, or one has none (the formulas then count the checkpointed blocks' backward as
     before these figures, `ActivationProfile.checkpointed_moments`)."""
+    return _each_block(figures, max)
+
+
+def _least(figures: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """Each block's smallest figure over the ranks' profiles, for a figure the estimate takes
+    away (what checkpointing leaves out of the output, what a block adds to it after the moment
+    counted): the largest would take away more than some rank's output holds. None where their
+    blocks differ in number, or one has none: nothing is taken away then."""
+    return _each_block(figures, min)
+
+
+def _each_block(
+    figures: Iterable[tuple[int, ...]], pick: Callable[[tuple[int, ...]], int]
+) -> tuple[int, ...]:
     each = list(figures)
     if len({len(f) for f in each}) != 1:
         return ()
-    return tuple(max(block) for block in zip(*each, strict=True))
+    return tuple(pick(block) for block in zip(*each, strict=True))
 
 
 def forced_checkpointing(request: Request, num_blocks: int) -> int | None:
