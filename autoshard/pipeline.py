@@ -238,7 +238,9 @@ def gather(call: Call, target: Target) -> _Gathered:
             measured = measure(model, traced, batch, call.loss_fn, None, names, traced_on)
     if measured.user_error is not None:
         raise ValueError(measured.user_error)
-    memory = target.memory or with_resident(local_memory(world), model, optimizer, world.device)
+    memory = target.memory or with_resident(
+        local_memory(world), model, optimizer, world.device, batch
+    )
     in_job = target.in_job
     report = RankReport(
         world.rank,

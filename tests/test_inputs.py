@@ -60,6 +60,11 @@ def test_memory_the_model_already_holds_counts_as_usable() -> None:
     assert "already hold" in memory.source
     meta = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, torch.device("meta"))
     assert meta.free_bytes == 1000  # nothing held on another device
+    # the example batch there too, each storage once (labels the same tensor as the inputs)
+    ids = torch.zeros(4, 100, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids, "mask": torch.ones(4, 100)}
+    held = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, CPU, batch)
+    assert held.free_bytes == 1000 + params + momentum + 4 * 100 * 8 + 4 * 100 * 4
 
 
 @pytest.mark.parametrize(

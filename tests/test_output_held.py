@@ -364,13 +364,14 @@ def test_the_trial_step_keeps_the_previous_output_as_a_loop_does() -> None:
     as the loop the estimate stands for: its measured peak is that loop's (it let the output go
     before, and measured 8.5% less than the loop needs, so a memory limit was tried against a
     step the loop exceeds)."""
-    real, _ = _real_and_simulated(_build_cached, torch.randn(ROWS, 64), loss_fn=_key_loss)
+    batch = torch.randn(ROWS, 64)
+    real, _ = _real_and_simulated(_build_cached, batch, loss_fn=_key_loss)
     model, optimizer = _build_cached()
     _, _, plan = autoshard.prepare(
-        model, optimizer, torch.randn(ROWS, 64), loss_fn=_key_loss, strategy="local",
+        model, optimizer, batch, loss_fn=_key_loss, strategy="local",
         mixed_precision="no", activation_checkpointing=False,
     )  # fmt: skip
-    assert plan.measured_peak_bytes == real
+    assert plan.measured_peak_bytes == real + batch.nbytes  # the loop's, with its batch
 
 
 def test_the_trial_step_keeps_the_previous_output_for_an_optimizer_with_state() -> None:
@@ -393,7 +394,7 @@ def test_the_trial_step_keeps_the_previous_output_for_an_optimizer_with_state() 
         model, optimizer, batch, loss_fn=_key_loss, strategy="local",
         mixed_precision="no", activation_checkpointing=False,
     )  # fmt: skip
-    assert plan.measured_peak_bytes == real
+    assert plan.measured_peak_bytes == real + batch.nbytes
 
 
 def test_ranks_agree_on_what_checkpointing_leaves_out_of_the_output_by_the_least() -> None:

@@ -115,14 +115,19 @@ def _cpu_has_native_bf16() -> bool:
 
 
 def with_resident(
-    memory: Memory, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    memory: Memory,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    batch: Any = None,
 ) -> Memory:
-    """Free memory plus what the model and optimizer already hold on the training device: the
-    estimate counts those bytes, so they must not also be missing from what is free."""
-    held = held_bytes(model, optimizer, device)
+    """Free memory plus what the model, optimizer and example batch already hold on the training
+    device: the estimate counts those bytes, so they must not also be missing from what is
+    free."""
+    held = held_bytes(model, optimizer, device, batch)
     if held == 0:
         return memory
-    source = f"{memory.source} + {human(held)} the model and optimizer already hold there"
+    source = f"{memory.source} + {human(held)} the model, optimizer and batch already hold there"
     return Memory(memory.free_bytes + held, memory.total_bytes, source)
 
 

@@ -106,11 +106,15 @@ def _release(meter_ref: Any, key: int) -> None:
         meter._add(-meter._bytes.pop(key, 0))
 
 
-def held_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """What a step starts with: parameters, their gradients, buffers, optimizer state."""
+def held_tensors(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any = None
+) -> list[Any]:
+    """What a step starts with: parameters, their gradients, buffers, optimizer state, and the
+    batch (a loop holds it through the step, and the estimate counts it)."""
     tensors: list[Any] = [*module.parameters(), *module.buffers()]
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
+    tensors += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     return tensors
 
 
@@ -177,16 +181,27 @@ def memory_cap(device: torch.device, limit: int | None, held: int) -> Iterator[N
 
 
 def held_bytes(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    batch: Any = None,
 ) -> int:
     """Bytes of the model's parameters and buffers and the optimizer's state on `device`: this
     rank's shards under FSDP2 (a DTensor's `numel` is the whole tensor's: counted so, a sharded
     model held world-size times its shards, and the CUDA trial took the process's other tensors
-    for the training's and its cap left them out of the limit)."""
+    for the training's and its cap left them out of the limit); and of the `batch`'s storages
+    there, each once (the estimate counts the batch: taken for another tensor of the process,
+    it was left out of the trial's measured peak, and its cap let a step exceed the limit by
+    it)."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tree_leaves(batch)
+        if isinstance(t, torch.Tensor) and t.device == device and t.layout == torch.strided
+    }
+    return sum(storages.values()) + sum(
         t.numel() * t.element_size()
         for t in local
         if isinstance(t, torch.Tensor) and t.device == device

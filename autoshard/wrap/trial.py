@@ -134,7 +134,7 @@ def _sync_points(wrapping: Wrapping, agreement: Agreement) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _peak_meter(
-    wrapping: Wrapping, optimizer: torch.optim.Optimizer, box: list[int | None]
+    wrapping: Wrapping, optimizer: torch.optim.Optimizer, batch: Any, box: list[int | None]
 ) -> Iterator[Callable[[], None]]:
     """Measure the step's peak: the CUDA allocator's, or on CPU the live tensor bytes
     (`meter.LiveBytes`: it follows FSDP2's storage resizes; C++-side buffers are invisible)."""
@@ -143,7 +143,7 @@ def _peak_meter(
         # Only what this training holds counts: other tensors of the process (a teacher model, a
         # cached dataset) were already missing from the free memory the plan was fitted to.
         unrelated = torch.cuda.memory_allocated(device) - held_bytes(
-            wrapping.module, optimizer, device
+            wrapping.module, optimizer, device, batch
         )
         torch.cuda.reset_peak_memory_stats(device)  # the caller's peak: `caller_peak_kept`
         try:
@@ -151,7 +151,7 @@ def _peak_meter(
         finally:
             box[0] = torch.cuda.max_memory_allocated(device) - max(unrelated, 0)
         return
-    meter = LiveBytes(held_tensors(wrapping.module, optimizer))
+    meter = LiveBytes(held_tensors(wrapping.module, optimizer, batch))
     try:
         # above the meter, whose mode would make backward formulas copy as for a subclass
         with meter, PlainBranches():
@@ -177,10 +177,10 @@ def attempt(wrapping: Wrapping, work: Work, usable: int) -> Agreed:
     # them may be larger than the cap).
     peak_kept = caller_peak_kept(wrapping.world.device)
     _workspaces_freed(wrapping.world.device)
-    held = held_bytes(wrapping.module, optimizer, wrapping.world.device)
+    held = held_bytes(wrapping.module, optimizer, wrapping.world.device, work.batch)
     cap = memory_cap(wrapping.world.device, limit, held)
     with peak_kept, _sync_points(wrapping, agreement), cap:
-        with _peak_meter(wrapping, optimizer, box) as between_steps:
+        with _peak_meter(wrapping, optimizer, work.batch, box) as between_steps:
             # the first step's output alive through the second's forward, as a loop keeps it
             previous: list[Any] = [None]
             try:
