@@ -39,6 +39,24 @@ def test_is_oom_for_a_real_cpu_allocation_failure() -> None:
 
 
 @pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`",
+        "cuFFT error: CUFFT_ALLOC_FAILED",
+    ],
+)
+def test_is_oom_for_a_cuda_library_that_could_not_allocate(message: str) -> None:
+    """A step at the edge of the memory fails where a CUDA library allocates outside torch's
+    allocator (a cuBLAS handle for the backward thread) as often as inside it: an error that
+    fell through to the user, not a fallback."""
+    assert is_oom(RuntimeError(message))
+    # NCCL's is not: its communicator cannot be used after one
+    assert not is_oom(torch.distributed.DistBackendError(f"NCCL error: {message}"))
+
+
+@pytest.mark.parametrize(
     "error",
     [
         RuntimeError("Expected all tensors to be on the same device"),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import DistBackendError
 
 from autoshard._batch import batch_to, call_model, compute_loss
 from autoshard._torch_compat import clear_cublas_workspaces, fsdp_reset_iter_state
@@ -55,11 +56,23 @@ ABORTED_OVERSHOOT = 1.25
 
 
 def is_oom(error: BaseException) -> bool:
-    """Out of memory, by type: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
-    (c10's DefaultCPUAllocator raises a plain RuntimeError, so its message is the only mark)."""
+    """Out of memory, by type: CUDA's OutOfMemoryError, or by message a RuntimeError from the
+    CPU allocator (c10's DefaultCPUAllocator raises a plain one) or a CUDA library that could
+    not allocate its own memory outside torch's allocator (`CUBLAS_STATUS_ALLOC_FAILED` when a
+    handle is created, cuDNN's, cuSOLVER's, cuFFT's: a step at the edge of the memory fails
+    there as often as in torch's allocator). Not NCCL's: its communicator is unusable after
+    one (a `DistBackendError`, re-raised)."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    if not isinstance(error, RuntimeError) or isinstance(error, DistBackendError):
+        return False
+    message = str(error)
+    return "can't allocate memory" in message or any(m in message for m in _LIBRARY_OOM)
+
+
+# How the CUDA libraries say they could not allocate (cublas, cudnn, cusolver, cusparse: the
+# `*_STATUS_ALLOC_FAILED` statuses; cufft: `CUFFT_ALLOC_FAILED`)
+_LIBRARY_OOM = ("_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED")
 
 
 def run_step(
