@@ -10,9 +10,11 @@ damaged checkpoint is an error naming the file, and nothing is changed.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import random
 import signal
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from _dist import TIMEOUT_S, Launch, launch
 from torch import nn
 
 import autoshard
-from autoshard.collective import PeerError, _rebuilt
+from autoshard.collective import Agreement, PeerError, PeerTimeout, _rebuilt
 from autoshard.io.layout import MARKER
 
 pytestmark = pytest.mark.faults
@@ -524,6 +526,45 @@ def test_existing_gradients_come_back_bitwise_in_one_process() -> None:
     with pytest.raises(ValueError):  # and when prepare raises in the trial step
         autoshard.prepare(model, optimizer, torch.ones(2, 4), loss_fn=lambda out, b: out)
     assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_peer_timeout_after_an_oom_keeps_nothing_of_the_step_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the trial's last sync raises (a peer that never came) after this rank ran out of
+    memory, the OOM's traceback, and with it the step's activations, stayed alive through the
+    restore and in the error the caller got."""
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    class RunsOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.layer(x)
+            if type(y).__name__ != "FakeTensor":  # the trial step, not prepare's fake trace
+                activations = torch.ones(1000)
+                alive.append(weakref.ref(activations))
+                raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+            return y.sum()
+
+    seen: list[list[bool]] = []
+
+    def sync(self: Agreement, code: int = 0, peak: int = 0) -> list[tuple[int, int]]:
+        gc.collect()
+        seen.append([ref() is not None for ref in alive])
+        raise PeerTimeout("rank 1 did not reach the trial's last sync point", [1])
+
+    monkeypatch.setattr(Agreement, "sync", sync)
+    model = RunsOut()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PeerTimeout) as caught:
+        autoshard.prepare(model, optimizer, torch.randn(4, 8), strategy="local")
+    assert seen == [[False]]  # the step's activations gone before the sync
+    del caught
+    gc.collect()
+    assert alive[0]() is None
 
 
 def test_drop_last_with_too_small_a_dataset_in_one_process() -> None:

@@ -215,12 +215,13 @@ def attempt(wrapping: Wrapping, work: Work, usable: int) -> Agreed:
         code = OOM if is_oom(error) else ERROR
     elif error is None and not learned and box[0] is not None and box[0] > usable:
         code = OOM  # CPU: the tracked peak exceeded the usable memory
-    rows = agreement.sync(code, box[0] or 0)  # this rank's last sync point of the step
-    peak = max(p for _, p in rows) or None
     # Keep only an error to re-raise: an OOM's traceback holds the step's frames, and with them
-    # its activations and (under DDP) the reducer, which must be freed before the next rung.
+    # its activations and (under DDP) the reducer, which must be freed before the next rung, and
+    # before the restore where the sync below raises (a peer that never came).
     kept = error if code == ERROR else None
     del error
+    rows = agreement.sync(code, box[0] or 0)  # this rank's last sync point of the step
+    peak = max(p for _, p in rows) or None
     return Agreed([c for c, _ in rows], peak, kept, seconds, losses)
 
 
