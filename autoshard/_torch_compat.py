@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -472,18 +472,25 @@ _GROUP_FIELDS = (
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """torch's pytree map, which also maps into the dataclass instances pytree leaves whole (a
-    batch or an output given as a @dataclass that nobody registered with pytree) where `fn`
-    leaves one as it is: each field mapped, on a shallow copy. (Where `fn` makes something else
-    of it, as autoshard's own dataclasses are turned back into tensors, that is the answer.)"""
+    """torch's pytree map, which also maps into what pytree leaves whole where `fn` leaves it as
+    it is, each on a shallow copy: a dataclass instance nobody registered with pytree (a batch
+    or an output given as a @dataclass), each field mapped; a mutable mapping of another kind
+    (transformers' `BatchEncoding`, what a tokenizer and its data collators return: a
+    `UserDict`), each value mapped. (Where `fn` makes something else of it, as autoshard's own
+    dataclasses are turned back into tensors, that is the answer.)"""
 
     def leaf(x: Any) -> Any:
         mapped = fn(x)
-        if mapped is not x or not dataclasses.is_dataclass(x) or isinstance(x, type):
+        if mapped is not x or isinstance(x, type):
             return mapped
-        mapped = copy.copy(x)
-        for field in dataclasses.fields(x):
-            object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
+        if dataclasses.is_dataclass(x):
+            mapped = copy.copy(x)
+            for field in dataclasses.fields(x):
+                object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
+        elif isinstance(x, MutableMapping):
+            mapped = copy.copy(x)
+            for key in list(x.keys()):
+                mapped[key] = tree_map(fn, x[key])
         return mapped
 
     return _pytree_map(leaf, tree)
