@@ -20,6 +20,8 @@ or all of it at once with `python benchmarks/gpu_suite.py --out DIR`.
   within the same targets (`branches_error`, which also runs on a CPU).
 - A forward that raises under autocast (X-MOD's adapters) asked for bf16 under plain `python`:
   sharded by FSDP2 over a one-rank NCCL group of its own, its trial's peak within the targets.
+- A tokenizer's `BatchEncoding` on the CPU is moved to the GPU for the trial step and counted in
+  its measured peak, within the targets.
 """
 
 from __future__ import annotations
@@ -545,3 +547,43 @@ def test_masked_scatter_s_prefix_sum_is_probed_on_this_gpu() -> None:
     call = torch.ops.aten.masked_scatter_.default
     held = workspace._probe(call, (x, mask, torch.zeros(x.numel(), device=device)), {}, device)
     assert held is not None and held >= 8 * x.numel(), held
+
+
+class _Tokens(torch.nn.Module):
+    """Token ids to a scalar loss: an embedding and a head over a 32k vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32000, 512)
+        self.head = torch.nn.Linear(512, 32000)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids) * attention_mask[..., None]
+        return torch.nn.functional.cross_entropy(
+            self.head(hidden).flatten(0, 1), input_ids.flatten()
+        )
+
+
+def test_a_tokenizer_s_batch_encoding_on_the_cpu_is_moved_for_the_trial() -> None:
+    """A `BatchEncoding` (a `UserDict`, which pytree leaves whole) was not looked into: the trial
+    step fed its CPU token ids to the model on the GPU. Moved now, as a dict is, and counted in
+    the trial's measured peak; the caller's batch stays where it was."""
+    from transformers import BatchEncoding
+
+    device = _device()
+    torch.manual_seed(0)
+    model = _Tokens().to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 32000, (8, 512))
+    batch = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    prepared = autoshard.prepare(
+        model, optimizer, batch, strategy="local", mixed_precision="no",
+        activation_checkpointing=False,
+    )  # fmt: skip
+    plan = prepared.plan
+    assert plan.measured_peak_bytes is not None, plan
+    assert all(t.device.type == "cpu" for t in batch.values())
+    candidate = accuracy.chosen(plan)
+    estimate = candidate.estimated_peak_bytes - candidate.footprint.overheads
+    error = (estimate - plan.measured_peak_bytes) / plan.measured_peak_bytes
+    assert -0.03 <= error <= 0.05, f"error {error:+.1%}\n{plan}"
