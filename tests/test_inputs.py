@@ -60,11 +60,17 @@ def test_memory_the_model_already_holds_counts_as_usable() -> None:
     assert "already hold" in memory.source
     meta = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, torch.device("meta"))
     assert meta.free_bytes == 1000  # nothing held on another device
-    # the example batch there too, each storage once (labels the same tensor as the inputs)
+    # the example batch there too, as the estimate counts it: its tensors' bytes, a storage at
+    # most once (labels the same tensor as the inputs), a slice of a dataset as its slice (not
+    # the dataset's storage), not a tensor the model holds already, inside a BatchEncoding too
+    from transformers import BatchEncoding
+
     ids = torch.zeros(4, 100, dtype=torch.long)
-    batch = {"input_ids": ids, "labels": ids, "mask": torch.ones(4, 100)}
-    held = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, CPU, batch)
-    assert held.free_bytes == 1000 + params + momentum + 4 * 100 * 8 + 4 * 100 * 4
+    dataset = torch.ones(100_000, 100)
+    batch = {"input_ids": ids, "labels": ids, "mask": dataset[:4], "w": model.weight.detach()}
+    for given in (batch, BatchEncoding(batch)):
+        held = facts.with_resident(Memory(1000, 5000, "test"), model, optimizer, CPU, given)
+        assert held.free_bytes == 1000 + params + momentum + 4 * 100 * 8 + 4 * 100 * 4
 
 
 @pytest.mark.parametrize(

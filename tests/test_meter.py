@@ -46,6 +46,22 @@ def test_peak_equals_memtrackers() -> None:
     )  # back to what it started with: the step's tensors are gone
 
 
+def test_the_batch_counts_as_the_estimate_counts_it() -> None:
+    """The trial's meter starts with the batch: a slice of a dataset kept whole in memory as its
+    slice, also where the step makes a view of it (the view's storage is the dataset's), and a
+    tensor the model itself holds once."""
+    model = torch.nn.Linear(64, 64)
+    dataset = torch.randn(10_000, 64)
+    batch = {"x": dataset[:32], "also": dataset[:32], "w": model.weight.detach()}
+    meter = LiveBytes(held_tensors(model, torch.optim.SGD(model.parameters(), lr=0.1)), batch)
+    held = (64 * 64 + 64) * 4
+    assert meter.current == held + 32 * 64 * 4 * 2  # both slices, as the estimate counts them
+    with meter:
+        view = batch["x"].view(-1)  # a view of the dataset's storage: counted already
+        assert meter.current == held + 32 * 64 * 4 * 2
+    del view
+
+
 def test_prepare_with_a_trial_step_leaves_nothing_alive() -> None:
     model, optimizer, batch = _gpt()
     params = [weakref.ref(p) for p in model.parameters()]

@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from autoshard._batch import tensors_in
 from autoshard._torch_compat import TorchDispatchMode, storage_resize_hook, tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
     """Use as a context manager; `peak` is the most bytes alive at once while it was active."""
 
-    def __init__(self, held: list[Any]) -> None:
+    def __init__(self, held: list[Any], batch: Any = None) -> None:
         super().__init__()
         self.current = 0
         self.peak = 0
@@ -33,6 +34,10 @@ class LiveBytes(TorchDispatchMode):
         self._undo = contextlib.ExitStack()  # what __enter__ changed in torch, undone on exit
         for tensor in held:
             self._track(tensor)
+        # the batch's storages at its tensors' bytes (`batch_storages`): a slice of a dataset
+        # kept whole in memory counts as the slice, also where the step makes a view of it
+        for storage, nbytes in batch_storages(batch, torch.device("cpu"), held):
+            self._count(storage, nbytes)
         self.peak = self.current
 
     def _storage(self, tensor: Any) -> Any:
@@ -50,11 +55,11 @@ class LiveBytes(TorchDispatchMode):
         if storage is not None:
             self._count(storage)
 
-    def _count(self, storage: Any) -> None:
+    def _count(self, storage: Any, nbytes: int | None = None) -> None:
         key = id(storage)
         if key in self._bytes:
             return
-        self._bytes[key] = storage.nbytes()
+        self._bytes[key] = storage.nbytes() if nbytes is None else nbytes
         self._add(self._bytes[key])
         # the Python storage object lives as long as the storage (PyObject preservation)
         weakref.finalize(storage, _release, weakref.ref(self), key)
@@ -106,16 +111,42 @@ def _release(meter_ref: Any, key: int) -> None:
         meter._add(-meter._bytes.pop(key, 0))
 
 
-def held_tensors(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any = None
-) -> list[Any]:
-    """What a step starts with: parameters, their gradients, buffers, optimizer state, and the
-    batch (a loop holds it through the step, and the estimate counts it)."""
+def held_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """What a step starts with: parameters, their gradients, buffers, optimizer state."""
     tensors: list[Any] = [*module.parameters(), *module.buffers()]
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
-    tensors += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
     return tensors
+
+
+def batch_storages(batch: Any, device: torch.device, held: list[Any]) -> list[tuple[Any, int]]:
+    """The storages of the batch's tensors on `device` but those the tensors `held` (parameters,
+    buffers, optimizer state) store, each with its tensors' bytes as the estimate counts the
+    batch (their elements; at most the storage's: a slice of a dataset kept whole in memory is
+    its slice). A loop holds the batch through the step."""
+    known = {key for t in held if (key := _storage_key(t)) is not None}
+    found: dict[int, tuple[Any, int]] = {}
+    for tensor in tensors_in(batch):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = _storage_key(local)
+        if key is None or key in known or local.device != device:
+            continue
+        storage = local.untyped_storage()
+        nbytes = found.get(key, (storage, 0))[1] + local.numel() * local.element_size()
+        found[key] = (storage, min(nbytes, storage.nbytes()))
+    return list(found.values())
+
+
+def _storage_key(tensor: Any) -> int | None:
+    """Where a plain tensor's storage lies (None: no tensor, or one with no storage to read)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError):  # a subclass without a storage
+        return None
 
 
 @contextlib.contextmanager
@@ -189,19 +220,14 @@ def held_bytes(
     """Bytes of the model's parameters and buffers and the optimizer's state on `device`: this
     rank's shards under FSDP2 (a DTensor's `numel` is the whole tensor's: counted so, a sharded
     model held world-size times its shards, and the CUDA trial took the process's other tensors
-    for the training's and its cap left them out of the limit); and of the `batch`'s storages
-    there, each once (the estimate counts the batch: taken for another tensor of the process,
+    for the training's and its cap left them out of the limit); and the `batch`'s there
+    (`batch_storages`: the estimate counts the batch; taken for another tensor of the process,
     it was left out of the trial's measured peak, and its cap let a step exceed the limit by
     it)."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tree_leaves(batch)
-        if isinstance(t, torch.Tensor) and t.device == device and t.layout == torch.strided
-    }
-    return sum(storages.values()) + sum(
+    return sum(nbytes for _, nbytes in batch_storages(batch, device, tensors)) + sum(
         t.numel() * t.element_size()
         for t in local
         if isinstance(t, torch.Tensor) and t.device == device

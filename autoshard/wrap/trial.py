@@ -164,7 +164,7 @@ def _peak_meter(
         finally:
             box[0] = torch.cuda.max_memory_allocated(device) - max(unrelated, 0)
         return
-    meter = LiveBytes(held_tensors(wrapping.module, optimizer, batch))
+    meter = LiveBytes(held_tensors(wrapping.module, optimizer), batch)
     try:
         # above the meter, whose mode would make backward formulas copy as for a subclass
         with meter, PlainBranches():
