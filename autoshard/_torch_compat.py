@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import importlib
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
+from collections import UserDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -474,10 +475,11 @@ _GROUP_FIELDS = (
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """torch's pytree map, which also maps into what pytree leaves whole where `fn` leaves it as
     it is, each on a shallow copy: a dataclass instance nobody registered with pytree (a batch
-    or an output given as a @dataclass), each field mapped; a mutable mapping of another kind
-    (transformers' `BatchEncoding`, what a tokenizer and its data collators return: a
-    `UserDict`), each value mapped. (Where `fn` makes something else of it, as autoshard's own
-    dataclasses are turned back into tensors, that is the answer.)"""
+    or an output given as a @dataclass), each field mapped; a `UserDict` (transformers'
+    `BatchEncoding`, what a tokenizer and its data collators return), each value mapped. Not
+    other mappings of their own kind, whose copy may share what it holds with the caller's.
+    (Where `fn` makes something else of it, as autoshard's own dataclasses are turned back into
+    tensors, that is the answer.)"""
 
     def leaf(x: Any) -> Any:
         mapped = fn(x)
@@ -487,7 +489,7 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
             mapped = copy.copy(x)
             for field in dataclasses.fields(x):
                 object.__setattr__(mapped, field.name, tree_map(fn, getattr(x, field.name)))
-        elif isinstance(x, MutableMapping):
+        elif isinstance(x, UserDict):  # its copy has a dict of its own: the caller's unchanged
             mapped = copy.copy(x)
             for key in list(x.keys()):
                 mapped[key] = tree_map(fn, x[key])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -287,6 +287,30 @@ def test_a_tokenizer_s_batch_encoding_is_looked_into() -> None:
     assert isinstance(moved, BatchEncoding)
     assert all(t.device.type == "meta" for t in moved.values())
     assert all(t.device.type == "cpu" for t in batch.values())  # the caller's as it was
+
+    # a mapping of its own kind stays whole: its copy could share what it holds with the caller's
+    class Store(MutableMapping[str, torch.Tensor]):
+        def __init__(self, **items: torch.Tensor) -> None:
+            self.items = items
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self.items[key]
+
+        def __setitem__(self, key: str, value: torch.Tensor) -> None:
+            self.items[key] = value
+
+        def __delitem__(self, key: str) -> None:
+            del self.items[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self.items)
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+    store = Store(input_ids=ids)
+    batch_to(store, torch.device("meta"))
+    assert store["input_ids"].device.type == "cpu"
 
     model = _Tokens()
     plans = [
