@@ -303,6 +303,8 @@ def _attributes(x: Any) -> list[Any]:
         for name in (slots,) if isinstance(slots, str) else slots:
             if name in ("__dict__", "__weakref__"):
                 continue
+            if name.startswith("__") and not name.endswith("__"):  # a private name, mangled
+                name = f"_{cls.__name__.lstrip('_')}{name}"
             try:
                 values.append(object.__getattribute__(x, name))
             except Exception:  # noqa: BLE001 - a slot not set, or a descriptor that raises

@@ -323,6 +323,13 @@ class _Lookup(_Base):
         self.inherited = torch.ones(100)
         self.own = torch.ones(200)
 
+
+class _Private:
+    __slots__ = ("__kept",)  # stored as `_Private__kept`
+
+    def __init__(self) -> None:
+        self.__kept = torch.ones(600)
+
     def __getattr__(self, name: str) -> Any:
         raise KeyError(name)
 
@@ -341,9 +348,10 @@ def test_the_output_s_walk_reaches_what_its_objects_hold_and_never_fails() -> No
         "queue": deque([torch.ones(400)]),
         "twice": _Twice.apply(x),
         "module": holder,
+        "private": _Private(),
     }
     sizes = sorted(t.numel() for t in tensors_reached(output, outside=[x]))
-    assert sizes == [50, 100, 200, 300, 400]  # the output, both slots, the mask, the deque's
+    assert sizes == [50, 100, 200, 300, 400, 600]  # output, slots, mask, deque's, private slot
 
     model = nn.Linear(64, 64)
 
@@ -357,6 +365,7 @@ def test_the_output_s_walk_reaches_what_its_objects_hold_and_never_fails() -> No
         loss_fn=lambda out, batch: out["loss"], mixed_precision="no",
     )  # fmt: skip
     assert not any("not estimated" in reason for reason in plan.reasons), plan.reasons
+    assert plan.chosen.footprint.activations > 32 * 64 * 4  # the batch and what was saved
 
 
 def test_the_trial_step_keeps_the_previous_output_as_a_loop_does() -> None:
