@@ -45,6 +45,7 @@ def test_is_oom_for_a_real_cpu_allocation_failure() -> None:
         "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
         "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`",
         "cuFFT error: CUFFT_ALLOC_FAILED",
+        "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com",
     ],
 )
 def test_is_oom_for_a_cuda_library_that_could_not_allocate(message: str) -> None:
@@ -61,6 +62,8 @@ def test_is_oom_for_a_cuda_library_that_could_not_allocate(message: str) -> None
     [
         RuntimeError("Expected all tensors to be on the same device"),
         RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x4)"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx`"),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
         ValueError("can't allocate memory"),  # the text alone is not enough: not a RuntimeError
         ValueError("bad row in the batch"),
         TypeError("forward() missing 1 required positional argument"),

@@ -71,8 +71,9 @@ def is_oom(error: BaseException) -> bool:
 
 
 # How the CUDA libraries say they could not allocate (cublas, cudnn, cusolver, cusparse: the
-# `*_STATUS_ALLOC_FAILED` statuses; cufft: `CUFFT_ALLOC_FAILED`)
-_LIBRARY_OOM = ("_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED")
+# `*_STATUS_ALLOC_FAILED` statuses; cufft: `CUFFT_ALLOC_FAILED`), and CUDA where one allocated
+# with `cudaMalloc` itself (torch's `AcceleratorError`, a RuntimeError)
+_LIBRARY_OOM = ("_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED", "CUDA error: out of memory")
 
 
 def run_step(
