@@ -308,8 +308,8 @@ def from_simulation(
     ):
         # every gradient alive from the second micro-batch on, at every moment: the moment with
         # the most bytes besides them is the peak where it is another than backward's
-        every = at_degree.checkpointed_accumulating or at_degree.checkpointed_backward
-        accumulating = _checkpointed(at_degree.accumulating, every, profile, s, _besides_grads)
+        every = at_degree.checkpointed_accumulating
+        accumulating = _checkpointed(at_degree.accumulating, every, profile, s, besides_grads)
         backward = max(
             backward,
             accumulating,
@@ -382,7 +382,9 @@ def _sum(phase: Phase) -> int:
     return sum(getattr(phase, f.name) for f in fields(phase))
 
 
-def _besides_grads(phase: Phase) -> int:
+def besides_grads(phase: Phase) -> int:
+    """A moment's bytes other than its gradients: what orders the moments where every gradient
+    is alive at each (earlier micro-batches' under gradient accumulation, unwrapped)."""
     return _sum(phase) - phase.grads
 
 

@@ -50,6 +50,7 @@ from autoshard.decide.estimate import (
     ModelStats,
     Phase,
     Simulated,
+    besides_grads,
     per_parameter_ratio,
     shard_bytes,
 )
@@ -67,14 +68,7 @@ from autoshard.measure.fake import (
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
-from autoshard.measure.step import (
-    autograd_on,
-    besides_grads,
-    peak_of,
-    total,
-    tracked_step,
-    with_state,
-)
+from autoshard.measure.step import autograd_on, peak_of, total, tracked_step, with_state
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe

@@ -284,12 +284,6 @@ def peak_of(moments: dict[str, list[Phase]], key: Callable[[Phase], int] | None 
     return max((phase for phases in moments.values() for phase in phases), key=key or total)
 
 
-def besides_grads(phase: Phase) -> int:
-    """A moment's bytes other than its gradients: what orders the moments where every gradient
-    is alive at each (earlier micro-batches' under gradient accumulation, unwrapped)."""
-    return total(phase) - phase.grads
-
-
 def with_state(phase: Phase, state: int) -> Phase:
     """`phase` with `state` more bytes of optimizer state alive."""
     return replace(phase, optimizer_state=phase.optimizer_state + state)
