@@ -254,15 +254,18 @@ def test_a_dataclass_batch_is_looked_into() -> None:
     assert batch.x.shape == (8, 3)  # the caller's batch as it was
 
 
-class _Tokens(torch.nn.Module):
-    def __init__(self) -> None:
+class Tokens(torch.nn.Module):
+    """A tokenizer's batch to a scalar loss: an embedding and a head over the vocabulary."""
+
+    def __init__(self, vocabulary: int = 100, width: int = 32) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(100, 32)
-        self.head = torch.nn.Linear(32, 100)
+        self.embed = torch.nn.Embedding(vocabulary, width)
+        self.head = torch.nn.Linear(width, vocabulary)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids) * attention_mask[..., None]
-        return self.head(hidden).square().mean()
+        logits = self.head(hidden).flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, input_ids.flatten())
 
 
 def test_a_tokenizer_s_batch_encoding_is_looked_into() -> None:
@@ -312,7 +315,7 @@ def test_a_tokenizer_s_batch_encoding_is_looked_into() -> None:
     batch_to(store, torch.device("meta"))
     assert store["input_ids"].device.type == "cpu"
 
-    model = _Tokens()
+    model = Tokens()
     plans = [
         autoshard.plan(
             model,

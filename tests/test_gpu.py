@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import REPO, run_tree
+from test_batch_size import Tokens
 
 import autoshard
 from autoshard.wrap.meter import caller_peak_kept
@@ -549,21 +550,6 @@ def test_masked_scatter_s_prefix_sum_is_probed_on_this_gpu() -> None:
     assert held is not None and held >= 8 * x.numel(), held
 
 
-class _Tokens(torch.nn.Module):
-    """Token ids to a scalar loss: an embedding and a head over a 32k vocabulary."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(32000, 512)
-        self.head = torch.nn.Linear(512, 32000)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids) * attention_mask[..., None]
-        return torch.nn.functional.cross_entropy(
-            self.head(hidden).flatten(0, 1), input_ids.flatten()
-        )
-
-
 def test_a_tokenizer_s_batch_encoding_on_the_cpu_is_moved_for_the_trial() -> None:
     """A `BatchEncoding` (a `UserDict`, which pytree leaves whole) was not looked into: the trial
     step fed its CPU token ids to the model on the GPU. Moved now, as a dict is, and counted in
@@ -572,7 +558,7 @@ def test_a_tokenizer_s_batch_encoding_on_the_cpu_is_moved_for_the_trial() -> Non
 
     device = _device()
     torch.manual_seed(0)
-    model = _Tokens().to(device)
+    model = Tokens(vocabulary=32000, width=512).to(device)  # a 32k vocabulary
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 32000, (8, 512))
     batch = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})

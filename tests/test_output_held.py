@@ -48,6 +48,15 @@ def _build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _formulas_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No simulation: the formulas stand for it, as where a simulation fails."""
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no simulation: the formulas stand for it")
+
+    monkeypatch.setattr(simulate, "simulate", refused)
+
+
 def _loss(output: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
     return output["loss"]
 
@@ -61,11 +70,7 @@ def test_the_estimate_holds_the_output_a_loop_holds(
     holding it (the logits beside their gradient at the head's backward); now +0.4% and
     +3.5%."""
     if not simulated:
-
-        def refused(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("no simulation: the formulas stand for it")
-
-        monkeypatch.setattr(simulate, "simulate", refused)
+        _formulas_only(monkeypatch)
     real, estimate = _real_and_simulated(_build, torch.randn(ROWS, 64), loss_fn=_loss)
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
@@ -97,10 +102,7 @@ def test_the_formulas_hold_the_whole_output_at_the_optimizer_step(
     squared loss saves): the formulas counted only what it holds beyond that, and read 2.0%
     under the allocator's peak; now 0.1% over."""
 
-    def refused(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("no simulation: the formulas stand for it")
-
-    monkeypatch.setattr(simulate, "simulate", refused)
+    _formulas_only(monkeypatch)
     real, estimate = _real_and_simulated(
         _build_logits, torch.randn(64, 256), loss_fn=lambda out, batch: out.square().mean()
     )
@@ -173,11 +175,7 @@ def test_the_previous_output_is_alive_through_the_next_forward(
     read 7.3% and 25% under the allocator's peak of that loop (every block checkpointed: 10.9%
     and 40%); now 1.2% to 1.9% over (the batch, which the allocator's count began after)."""
     if not simulated:
-
-        def refused(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("no simulation: the formulas stand for it")
-
-        monkeypatch.setattr(simulate, "simulate", refused)
+        _formulas_only(monkeypatch)
     real, estimate = _real_and_simulated(
         _build_cached, torch.randn(ROWS, 64), checkpointed=checkpointed, loss_fn=_key_loss
     )
@@ -229,11 +227,7 @@ def test_what_the_output_s_graph_holds_is_carried(
     under the allocator's peak of that loop (MRA, by formula: 12% and 19%; now 2.0% and 3.7%
     over)."""
     if not simulated:
-
-        def refused(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("no simulation: the formulas stand for it")
-
-        monkeypatch.setattr(simulate, "simulate", refused)
+        _formulas_only(monkeypatch)
     real, estimate = _real_and_simulated(_build_leaves, torch.randn(ROWS, 64))
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
@@ -282,11 +276,7 @@ def test_accumulated_gradients_are_beside_the_forward_carrying_the_last_output(
     allocator's peak of that loop (every block checkpointed: 11.6%); now 1.8% and 1.9% over
     (the formulas, which add them moment by moment, 1.8% and 3.8%)."""
     if not simulated:
-
-        def refused(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("no simulation: the formulas stand for it")
-
-        monkeypatch.setattr(simulate, "simulate", refused)
+        _formulas_only(monkeypatch)
     real, estimate = _real_and_simulated(
         _build_wide,
         torch.randn(256, 1024),
