@@ -223,6 +223,10 @@ class Simulated:
     # output, where backward's peak held its own gradients). None: the same as the peak.
     accumulating: Phase | None = None
     checkpointed_accumulating: Phase | None = None
+    # The forward's peak (up to the model's return): a moment autocast's cached copies of the
+    # parameters are alive through, a checkpointed block's too (`ActivationProfile.
+    # block_cast_bytes`). None: not told apart from `backward`.
+    forward: Phase | None = None
 
     def scaled(self, ratio: float, per_parameter: float) -> Simulated:
         """The sharded terms at another shard size: the parameters, gradients and optimizer
@@ -246,6 +250,7 @@ class Simulated:
             checkpointed_backward=scaled(self.checkpointed_backward),
             accumulating=scaled(self.accumulating),
             checkpointed_accumulating=scaled(self.checkpointed_accumulating),
+            forward=scaled(self.forward),
         )
 
 
@@ -269,6 +274,9 @@ class Setting:
     # trace left some without one, or the model skips layers at random): it never rebuilds its
     # buckets (`retired_bucket_bytes`)
     find_unused: bool = False
+    # what each checkpointed block keeps beside its input until its backward, device memory on
+    # this device: the CPU generator's state on the CPU (`measure.rng`); 0 elsewhere
+    checkpoint_state_bytes: int = 0
 
 
 def estimate(
@@ -300,7 +308,9 @@ def from_simulation(
     per_parameter = per_parameter_ratio(stats, (sim.degree, 0), (degree, 0)) if sharded else 1.0
     at_degree = sim.scaled(ratio, per_parameter)
     step = at_degree.step
-    backward = _checkpointed(at_degree.backward, at_degree.checkpointed_backward, profile, s)
+    backward = _checkpointed(
+        at_degree.backward, at_degree.checkpointed_backward, profile, s, forward=at_degree.forward
+    )
     if (
         recipe(s.strategy).engine is Engine.NONE
         and s.accumulation_steps > 1
@@ -308,6 +318,7 @@ def from_simulation(
     ):
         # every gradient alive from the second micro-batch on, at every moment: the moment with
         # the most bytes besides them is the peak where it is another than backward's
+        # (taken for a moment of the forward, which it mostly is)
         every = at_degree.checkpointed_accumulating
         accumulating = _checkpointed(at_degree.accumulating, every, profile, s, besides_grads)
         backward = max(
@@ -336,46 +347,61 @@ def from_simulation(
 
 
 def _checkpointed(
-    backward: Phase,
+    moment: Phase,
     every: Phase | None,
     profile: ActivationProfile | None,
     s: Setting,
     key: Callable[[Phase], int] | None = None,
+    forward: Phase | None = None,
 ) -> Phase:
-    """A simulated forward/backward moment (`backward`, with no block checkpointed) with the
+    """A simulated forward/backward moment (`moment`, with no block checkpointed) with the
     first `s.checkpointed` blocks checkpointed; `every`: the same moment simulated with every
-    block checkpointed, where that ran, the larger by `key` (default: the total)."""
+    block checkpointed, where that ran, the larger by `key` (default: the total).
+
+    Checkpointing a block frees what it saved beyond its input as backward begins; in the
+    forward, where autocast computes (unwrapped, DDP), not the copies of its parameters
+    autocast keeps in its cache until the model returns (`ActivationProfile.block_cast_bytes`;
+    MRA's blocks under bf16: 294,912 B each, which a checkpointed block was credited and its
+    forward kept). `forward` is the forward's own peak where the simulation told it apart, else
+    `moment` is taken for one too. Each checkpointed block keeps the generator's state beside
+    its input (`Setting.checkpoint_state_bytes`)."""
     key = key or _sum
-    if (
-        every is not None
-        and profile is not None
-        and s.checkpointed >= len(profile.block_saved_bytes)
-    ):
+    k = s.checkpointed
+    if every is not None and profile is not None and k >= len(profile.block_saved_bytes):
         return every  # simulated as it is
-    if profile is None or not s.checkpointed:
-        return backward
-    # The trackers file some saved tensors as temporaries (those first seen in backward):
-    # what checkpointing frees comes off the activations first, then the temporaries.
-    freed = profile.activation_bytes(0) - profile.activation_bytes(s.checkpointed)
+    if profile is None or not k:
+        return moment
+    derived = _less(moment, profile.activation_bytes(0) - profile.activation_bytes(k), profile, s)
+    if not recipe(s.strategy).sharded and profile.cached_casts(k):
+        in_forward = moment if forward is None else forward
+        kept = profile.kept_bytes(0) - profile.kept_bytes(k, casts_cached=True)
+        derived = max(derived, _less(in_forward, kept, profile, s), key=key)
+    derived = replace(derived, activations=derived.activations + k * s.checkpoint_state_bytes)
+    # Checkpointing moves the peak later into backward, where gradients have accumulated
+    # and recomputed blocks are gathered: never below the peak with every block checkpointed
+    # (fewer checkpointed blocks only keep more alive).
+    if every is not None and key(every) > key(derived):
+        return every
+    return derived
+
+
+def _less(moment: Phase, freed: int, profile: ActivationProfile, s: Setting) -> Phase:
+    """`moment` with `freed` bytes of the profile's saved activations let go."""
     # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
     # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
     # copies). Scale what checkpointing frees by how much the simulation saved against it.
     traced = profile.activation_bytes(0)
-    simulated = backward.activations + backward.temporaries
+    simulated = moment.activations + moment.temporaries
     if recipe(s.strategy).sharded and 0 < simulated < traced:
         freed = freed * simulated // traced
-    from_activations = min(freed, backward.activations)
-    backward = replace(
-        backward,
-        activations=backward.activations - from_activations,
-        temporaries=max(0, backward.temporaries - (freed - from_activations)),
+    # The trackers file some saved tensors as temporaries (those first seen in backward):
+    # what checkpointing frees comes off the activations first, then the temporaries.
+    from_activations = min(freed, moment.activations)
+    return replace(
+        moment,
+        activations=moment.activations - from_activations,
+        temporaries=max(0, moment.temporaries - (freed - from_activations)),
     )
-    # Checkpointing moves the peak later into backward, where gradients have accumulated
-    # and recomputed blocks are gathered: never below the peak with every block checkpointed
-    # (fewer checkpointed blocks only keep more alive).
-    if every is not None and key(every) > key(backward):
-        return every
-    return backward
 
 
 def _sum(phase: Phase) -> int:
@@ -417,14 +443,17 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     backward_temp = 0
     saved = 0
     within = None
+    # each checkpointed block's generator state, kept until its backward
+    state = s.checkpoint_state_bytes
+    states = max(s.checkpointed, 0) * state
     if profile is not None:
         into_buffers = recipe(s.strategy).engine is Engine.DDP or s.accumulation_steps > 1
         rise = profile.rise_into_buffers_bytes if into_buffers else profile.backward_rise_bytes
         backward_temp = max(2 * profile.largest_saved_bytes, rise)
-        saved = profile.activation_bytes(s.checkpointed)
+        saved = profile.activation_bytes(s.checkpointed) + states
         within = profile.checkpointed_moments(s.checkpointed, into_buffers)
         if within is not None:  # the head's and the unchecked blocks' backward: all kept
-            saved = profile.kept_bytes(s.checkpointed)
+            saved = profile.kept_bytes(s.checkpointed) + states
     in_backward = _grads_in_backward(stats, s, grads)
 
     def in_phase(
@@ -440,11 +469,15 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     if profile is not None:
         before_backward = grads if recipe(s.strategy).engine is Engine.DDP else 0
         previous = profile.carried(s.checkpointed)
+        # autocast (unwrapped, DDP) keeps its copies of the parameters to the model's return,
+        # the checkpointed blocks' too
+        cached = not recipe(s.strategy).sharded
+        in_forward = max(saved, profile.kept_bytes(s.checkpointed, cached) + states)
         forwards = [
-            in_phase(before_backward, held + previous + saved, profile.forward_rise_bytes),
+            in_phase(before_backward, held + previous + in_forward, profile.forward_rise_bytes),
             *(
-                in_phase(before_backward, stats.input_bytes + previous + alive, 0)
-                for alive in profile.checkpointed_forwards(s.checkpointed)
+                in_phase(before_backward, stats.input_bytes + previous + alive + state * (j + 1), 0)
+                for j, alive in enumerate(profile.checkpointed_forwards(s.checkpointed, cached))
             ),
         ]
         backward = max(backward, *forwards, key=sum)
@@ -454,6 +487,8 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     before = 0  # gradient bytes of the blocks before block j
     for j, (alive, rest) in enumerate(within or ()):
         made = max(in_backward, grads - before) if unwrapped else grads
+        # blocks 0..j's generator states, and the one its recomputation takes
+        alive += state * (j + 2)
         backward = max(backward, in_phase(made, held + alive, rest), key=sum)
         before += stats.block_numel[j] * s.param_element_bytes
     # A foreach optimizer materialises one parameter-sized list of intermediates at the step

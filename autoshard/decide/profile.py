@@ -82,6 +82,11 @@ class ActivationProfile:
             counting parameters, buffers and the batch, which are not new memory (autocast's
             low-precision weight copies are, and count).
         block_input_bytes: bytes of each block's input, which a checkpointed block still keeps.
+        block_cast_bytes: of `block_saved_bytes`, autocast's copies of the parameters in its
+            dtype, which autocast keeps in its cache to the end of the forward, saved or not:
+            checkpointing a block leaves them alive until the model returns, and frees them only
+            from there on (empty: a profile made without the figure, or none traced under
+            autocast).
         before_saved_bytes: bytes saved before the first block (embeddings).
         after_saved_bytes: bytes saved after the last block (head, loss).
         largest_saved_bytes: the largest single saved storage; its gradient is the largest
@@ -203,6 +208,7 @@ class ActivationProfile:
     block_output_left_bytes: tuple[int, ...] = ()
     block_carried_left_bytes: tuple[int, ...] = ()
     forward_rise_bytes: int = 0
+    block_cast_bytes: tuple[int, ...] = ()
     block_forward_peak_bytes: tuple[int, ...] = ()
     block_checkpointed_bytes: tuple[int, ...] = ()
     block_checkpointed_into_buffers_bytes: tuple[int, ...] = ()
@@ -220,7 +226,8 @@ class ActivationProfile:
         checkpointed block j is recomputed, the head and the blocks after j have already freed
         theirs: then alive are the tensors saved before the blocks, the inputs of blocks 0..j-1
         and block j's recomputed saved tensors. The peak is the larger of that and the end of
-        forward.
+        forward as backward begins (`kept_bytes`: autocast's copies of the checkpointed blocks'
+        parameters gone by then; alive until the model returns).
         """
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
         if k == 0:
@@ -231,12 +238,23 @@ class ActivationProfile:
         )
         return max(self.kept_bytes(k), recompute)
 
-    def kept_bytes(self, checkpointed: int) -> int:
+    def kept_bytes(self, checkpointed: int, casts_cached: bool = False) -> int:
         """Bytes saved at the end of forward with the first `checkpointed` blocks checkpointed:
-        those blocks keep only their inputs."""
+        those blocks keep only their inputs, and with `casts_cached` (autocast computes, and the
+        model has not returned) their parameters' copies too (`block_cast_bytes`)."""
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
         dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
-        return self.other_saved_bytes + sum(self.block_saved_bytes) - dropped
+        return (
+            self.other_saved_bytes
+            + sum(self.block_saved_bytes)
+            - dropped
+            + (self.cached_casts(k) if casts_cached else 0)
+        )
+
+    def cached_casts(self, checkpointed: int) -> int:
+        """Of the first `checkpointed` blocks, the parameters' copies autocast keeps in its cache
+        (`block_cast_bytes`): alive through the forward, the blocks checkpointed or not."""
+        return sum(self.block_cast_bytes[: max(checkpointed, 0)])
 
     def checkpointed_moments(
         self, checkpointed: int, into_buffers: bool
@@ -273,12 +291,13 @@ class ActivationProfile:
         leave out of the output (`block_carried_left_bytes`)."""
         return self.carried_bytes - sum(self.block_carried_left_bytes[: max(checkpointed, 0)])
 
-    def checkpointed_forwards(self, checkpointed: int) -> list[int]:
+    def checkpointed_forwards(self, checkpointed: int, casts_cached: bool = False) -> list[int]:
         """The activations alive at the most of each checkpointed block's first forward, the
         first `checkpointed` blocks checkpointed: the tensors saved before the blocks, the
-        inputs of blocks 0..j, what block j's forward made (`block_forward_peak_bytes`) and
-        what the output holds of the blocks before it (`output_held`, but what blocks j on add
-        to it); none where the profile has no block's figures."""
+        inputs of blocks 0..j, what block j's forward made (`block_forward_peak_bytes`), what
+        the output holds of the blocks before it (`output_held`, but what blocks j on add
+        to it), and with `casts_cached` (autocast computes) the parameters' copies of the
+        blocks before it (`cached_casts`); none where the profile has no block's figures."""
         n = len(self.block_saved_bytes)
         k = min(max(checkpointed, 0), n)
         if len(self.block_forward_peak_bytes) != n or len(self.block_output_bytes) != n:
@@ -289,6 +308,7 @@ class ActivationProfile:
             + self.block_forward_peak_bytes[j]
             + self.output_held(j)
             - sum(self.block_output_bytes[j:])
+            + (self.cached_casts(j) if casts_cached else 0)
             for j in range(k)
         ]
 

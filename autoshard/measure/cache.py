@@ -621,6 +621,7 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
         per_parameter_step=bool(value["per_parameter_step"]),
         accumulating=maybe("accumulating"),
         checkpointed_accumulating=maybe("checkpointed_accumulating"),
+        forward=maybe("forward"),
     )
 
 
@@ -635,6 +636,7 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
     return ActivationProfile(
         block_saved_bytes=tuple(map(_int, value["block_saved_bytes"])),
         block_input_bytes=tuple(map(_int, value["block_input_bytes"])),
+        block_cast_bytes=tuple(map(_int, value["block_cast_bytes"])),
         before_saved_bytes=_int(value["before_saved_bytes"]),
         after_saved_bytes=_int(value["after_saved_bytes"]),
         largest_saved_bytes=_int(value["largest_saved_bytes"]),

@@ -32,6 +32,7 @@ from autoshard.measure.layout import SHALLOW, Layout, repeats
 from autoshard.measure.operators import first_unlike
 from autoshard.measure.priced import most_moving
 from autoshard.measure.quiet import own_runs_quiet
+from autoshard.measure.rng import state_bytes
 from autoshard.measure.step import autograd_on
 from autoshard.measure.trace import extended, profile_scaled, profile_step
 from autoshard.strategies.engines import is_transformers_layer
@@ -545,6 +546,7 @@ def plan_inputs(
         device_type=device.type,
         cuda_context_pending=device.type == "cuda" and not torch.cuda.is_initialized(),
         accumulation_steps=accumulation_steps,
+        checkpoint_state_bytes=state_bytes() if device.type == "cpu" else 0,
     )
     if accumulation_steps > 1:
         reasons = [*reasons, accumulation_reason(accumulation_steps)]
@@ -598,6 +600,7 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         block_output_left_bytes=_least(p.block_output_left_bytes for p in known),
         block_carried_left_bytes=_least(p.block_carried_left_bytes for p in known),
         forward_rise_bytes=max(p.forward_rise_bytes for p in known),
+        block_cast_bytes=_most(p.block_cast_bytes for p in known),
         block_forward_peak_bytes=_most(p.block_forward_peak_bytes for p in known),
         block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
         block_checkpointed_into_buffers_bytes=_most(

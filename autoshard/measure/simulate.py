@@ -68,7 +68,14 @@ from autoshard.measure.fake import (
 )
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
-from autoshard.measure.step import autograd_on, peak_of, total, tracked_step, with_state
+from autoshard.measure.step import (
+    autograd_on,
+    of_forward,
+    peak_of,
+    total,
+    tracked_step,
+    with_state,
+)
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
 from autoshard.strategies.recipes import recipe
@@ -149,17 +156,24 @@ def simulate(
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            backward, step, accumulating = found
+            backward, step, accumulating, forward = found
             return Simulated(
-                backward, step, degree, per_parameter_step=loop, accumulating=accumulating
+                backward,
+                step,
+                degree,
+                per_parameter_step=loop,
+                accumulating=accumulating,
+                forward=forward,
             )
     moments, step = run(None, None)
+    forwards = of_forward(moments)
     return Simulated(
         peak_of(moments),
         step,
         degree,
         per_parameter_step=loop,
         accumulating=peak_of(moments, besides_grads),
+        forward=peak_of(forwards) if forwards else None,
     )
 
 
@@ -172,10 +186,10 @@ def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
 
 def _by_periods(
     run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout
-) -> tuple[Phase, Phase, Phase] | None:
-    """The forward/backward and step peaks and the moment with the most bytes besides gradients
-    from copies of 3, 4, 5 (then 6) periods of every list (`run`), extended (`_extended`); None
-    where they are not on one line."""
+) -> tuple[Phase, Phase, Phase, Phase | None] | None:
+    """The forward/backward and step peaks, the moment with the most bytes besides gradients
+    and the forward's peak from copies of 3, 4, 5 (then 6) periods of every list (`run`),
+    extended (`_extended`); None where they are not on one line."""
     runs = {k: run(repeats, k) for k in SHALLOW}
     while True:
         k1, k2, k3 = sorted(runs)[-3:]
@@ -190,10 +204,11 @@ def _by_periods(
 
 def _extended(
     p1: Steps, p2: Steps, p3: Steps, depths: tuple[int, int, int], full: int
-) -> tuple[Phase, Phase, Phase] | None:
-    """The forward/backward peak, the step's and the moment with the most bytes besides
-    gradients (`besides_grads`) at `full` periods from runs at three `depths`, or None where the
-    third is off the line through the first two.
+) -> tuple[Phase, Phase, Phase, Phase | None] | None:
+    """The forward/backward peak, the step's, the moment with the most bytes besides gradients
+    (`besides_grads`) and the forward's peak (None: no moment of it met at both depths) at `full`
+    periods from runs at three `depths`, or None where the third is off the line through the
+    first two.
 
     Each moment of forward and backward is extended on its own and the largest taken at the full
     depth: the peak's moment can move with depth (the head's backward with few blocks, the end
@@ -211,7 +226,8 @@ def _extended(
         return None
     if abs(total(line) - total(actual)) > _LINEARITY_TOLERANCE * total(actual):
         return None
-    return extended, _extend(p2[1], p3[1], k2, k3, full), accumulating
+    forward = _extend_moments(of_forward(p2[0]), of_forward(p3[0]), k2, k3, full)
+    return extended, _extend(p2[1], p3[1], k2, k3, full), accumulating, forward
 
 
 def _extend_moments(
@@ -229,9 +245,9 @@ def _extend_moments(
     the loss's temporaries with few blocks, the last block's output beside every block's cast
     weights with many). An interior block's moment is left out, its largest sitting at an end
     (`layout.Stretch.label`). None where a moment ran a different number of operators at the two
-    depths: the model is then simulated whole."""
+    depths (the model is then simulated whole), or no moment is met at both."""
     common = [label for label in b if label in a and not label.endswith(INTERIOR)]
-    if any(len(a[label]) != len(b[label]) for label in common):
+    if not common or any(len(a[label]) != len(b[label]) for label in common):
         return None
     return max(
         (

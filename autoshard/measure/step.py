@@ -273,6 +273,12 @@ def carried(moments: dict[str, list[Phase]], size: int) -> dict[str, list[Phase]
     }
 
 
+def of_forward(moments: dict[str, list[Phase]]) -> dict[str, list[Phase]]:
+    """The `moments` of the model's forward (`in_forward`): autocast's cached copies of the
+    parameters are alive through them, a checkpointed block's too."""
+    return {label: phases for label, phases in moments.items() if in_forward(label)}
+
+
 def in_forward(label: str) -> bool:
     """Whether a moment's `label` is one of the model's forward (up to its return)."""
     # a block's forward is `f"{FORWARD} {label}"` (`Moments._forward_starts`), as AFTER_BLOCKS is

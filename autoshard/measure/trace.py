@@ -42,7 +42,7 @@ from autoshard._batch import (
     tensors_in,
     tensors_reached,
 )
-from autoshard._torch_compat import is_batch_norm, storage_key, tree_map
+from autoshard._torch_compat import is_batch_norm, storage_key, tree_map, view_base
 from autoshard.decide.profile import ActivationProfile
 from autoshard.measure.answers import Recorder, agreed, found_together
 from autoshard.measure.fake import batch_value, fake_mode, fake_tensor, wider_fake_kernels
@@ -75,6 +75,7 @@ class _Attribution:
         # from 451,872 to 417,568 B, differing from run to run)
         self.saved: dict[int, list[weakref.ref[torch.Tensor]]] = {}
         self.closed = False  # forward done: what backward saves (a recomputation) is not counted
+        self.casts: set[int] = set()  # the storages counted that are autocast's parameter copies
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -83,18 +84,22 @@ class _Attribution:
             return tensor
         # a detached alias is what autograd keeps: returning the tensor itself makes a saved
         # output (sigmoid's, softmax's) hold its own grad_fn, a cycle no collector breaks
-        tensor = tensor.detach()
+        detached = tensor.detach()
         saved = self.saved.setdefault(key, [])
         alive = any(ref() is not None for ref in saved)
-        saved.append(weakref.ref(tensor))
+        saved.append(weakref.ref(detached))
         if alive:  # the same storage, counted
-            return tensor
+            return detached
         if self.current is not None:
             self.owner[key] = self.current
         else:
             self.owner[key] = "after" if self.after_blocks else "before"
         self.nbytes[key] = storage.nbytes()
-        return tensor
+        if _cached_cast(tensor):
+            self.casts.add(key)
+        else:  # a storage freed may leave its key to another
+            self.casts.discard(key)
+        return detached
 
     def forward_done(self) -> None:
         """Leaves out the storages freed in forward (their saved tensors all gone): nothing of
@@ -172,8 +177,32 @@ class _Attribution:
         self.current = None
         self.after_blocks = True
 
-    def saved_by(self, owner: int | str) -> int:
-        return sum(self.nbytes[k] for k, o in self.owner.items() if o == owner)
+    def saved_by(self, owner: int | str, casts_only: bool = False) -> int:
+        """Bytes of the storages `owner` saved (`casts_only`: of those, autocast's parameter
+        copies, `_cached_cast`)."""
+        return sum(
+            self.nbytes[k]
+            for k, o in self.owner.items()
+            if o == owner and (not casts_only or k in self.casts)
+        )
+
+
+def _cached_cast(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (a saved tensor, or a view of one) is autocast's copy of a parameter:
+    the cast of a leaf that requires a gradient to autocast's dtype, which autocast keeps in its
+    cache (`cache_enabled`, the default) to the end of the forward, saved or not, a checkpointed
+    block's too (`ActivationProfile.block_cast_bytes`). An explicit cast of a parameter to that
+    dtype looks the same, and is counted alike (a copy held longer than it is)."""
+    if not torch.is_autocast_cache_enabled():
+        return False
+    base = view_base(tensor)
+    base = tensor if base is None else base
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0" or not node.next_functions:
+        return False
+    source = node.next_functions[0][0]
+    # AccumulateGrad: the node of a leaf that requires a gradient
+    return source is not None and isinstance(getattr(source, "variable", None), torch.Tensor)
 
 
 class _TotalsOnly:
@@ -302,6 +331,9 @@ def profile_step(
     return ActivationProfile(
         block_saved_bytes=tuple(attribution.saved_by(i) for i in range(len(blocks))),
         block_input_bytes=tuple(attribution.inputs),
+        block_cast_bytes=tuple(
+            attribution.saved_by(i, casts_only=True) for i in range(len(blocks))
+        ),
         before_saved_bytes=attribution.saved_by("before"),
         after_saved_bytes=attribution.saved_by("after"),
         largest_saved_bytes=max(sizes, default=0),
@@ -388,6 +420,7 @@ def profile_scaled(
         two,
         block_saved_bytes=lines(one.block_saved_bytes, two.block_saved_bytes),
         block_input_bytes=lines(one.block_input_bytes, two.block_input_bytes),
+        block_cast_bytes=lines(one.block_cast_bytes, two.block_cast_bytes),
         before_saved_bytes=line(one.before_saved_bytes, two.before_saved_bytes),
         after_saved_bytes=line(one.after_saved_bytes, two.after_saved_bytes),
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
@@ -627,6 +660,7 @@ def extended(
         profile,
         block_saved_bytes=each(profile.block_saved_bytes),
         block_input_bytes=each(profile.block_input_bytes),
+        block_cast_bytes=each(profile.block_cast_bytes),
         output_bytes=whole(profile.output_bytes, profile.block_output_bytes),
         block_output_bytes=each(profile.block_output_bytes),
         carried_bytes=whole(profile.carried_bytes, profile.block_carried_bytes),
