@@ -153,12 +153,13 @@ class _Attribution:
         return sum(held.values()), tuple(by_block), tuple(in_cache)
 
     def took(self, index: int, tensors: Iterable[torch.Tensor]) -> None:
-        """Block `index` was called with `tensors`: its floating inputs are what it keeps when
-        checkpointed. A storage another block took too (a mask, a position bias, an encoder's
-        output for every decoder block), the batch's and the parameters' count once, where
-        first taken, or not at all."""
+        """Block `index` was called with `tensors`: its inputs are what it keeps when
+        checkpointed, of any dtype (a boolean mask the model made: LongT5's local attention's
+        786,432 B, kept to the block's backward, were left out). A storage another block took
+        too (a mask, a position bias, an encoder's output for every decoder block), the batch's
+        and the parameters' count once, where first taken, or not at all."""
         for tensor in tensors:
-            if not tensor.is_floating_point():
+            if not stored(tensor):
                 continue
             storage = tensor.untyped_storage()
             key = storage_key(storage)
