@@ -371,11 +371,18 @@ def _checkpointed(
         return every  # simulated as it is
     if profile is None or not k:
         return moment
-    derived = _less(moment, profile.activation_bytes(0) - profile.activation_bytes(k), profile, s)
-    if not recipe(s.strategy).sharded and profile.cached_casts(k):
-        in_forward = moment if forward is None else forward
-        kept = profile.kept_bytes(0) - profile.kept_bytes(k, casts_cached=True)
-        derived = max(derived, _less(in_forward, kept, profile, s), key=key)
+    # as backward begins, the output held through it without what the checkpointed
+    # transformers layers leave out of it (their caches' keys and values)
+    output = profile.output_held(0) - profile.output_held(k)
+    saved = profile.activation_bytes(0) - profile.activation_bytes(k)
+    derived = _less(moment, saved, profile, s, output)
+    # in the forward, the previous step's output carried through it without what they leave
+    # out of it; not the forward's own output, which holds only the blocks' run so far
+    casts = not recipe(s.strategy).sharded
+    kept = profile.kept_bytes(0) - profile.kept_bytes(k, casts_cached=casts)
+    carried = profile.carried(0) - profile.carried(k)
+    in_forward = moment if forward is None else forward
+    derived = max(derived, _less(in_forward, kept, profile, s, carried), key=key)
     derived = replace(derived, activations=derived.activations + k * s.checkpoint_state_bytes)
     # Checkpointing moves the peak later into backward, where gradients have accumulated
     # and recomputed blocks are gathered: never below the peak with every block checkpointed
@@ -385,8 +392,11 @@ def _checkpointed(
     return derived
 
 
-def _less(moment: Phase, freed: int, profile: ActivationProfile, s: Setting) -> Phase:
-    """`moment` with `freed` bytes of the profile's saved activations let go."""
+def _less(
+    moment: Phase, freed: int, profile: ActivationProfile, s: Setting, output: int = 0
+) -> Phase:
+    """`moment` with `freed` bytes of the profile's saved activations let go, and `output`
+    bytes of a model output's."""
     # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
     # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
     # copies). Scale what checkpointing frees by how much the simulation saved against it.
@@ -394,6 +404,7 @@ def _less(moment: Phase, freed: int, profile: ActivationProfile, s: Setting) -> 
     simulated = moment.activations + moment.temporaries
     if recipe(s.strategy).sharded and 0 < simulated < traced:
         freed = freed * simulated // traced
+    freed += output
     # The trackers file some saved tensors as temporaries (those first seen in backward):
     # what checkpointing frees comes off the activations first, then the temporaries.
     from_activations = min(freed, moment.activations)
