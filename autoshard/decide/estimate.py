@@ -297,9 +297,10 @@ def from_simulation(
 ) -> Footprint:
     """The simulated peaks, moved to this candidate's sharding degree and checkpointed blocks.
 
-    Checkpointing the first k blocks frees, at the forward/backward peak, what the activation
-    profile says they save beyond their inputs (plus the recompute peak, `activation_bytes`).
-    The peak is the larger of the two phases. Overheads are what no tensor shows: on CUDA the
+    Checkpointing the first k blocks frees what the activation profile says they save beyond
+    their inputs (plus the recompute peak, `activation_bytes`), derived at the forward's peak
+    and at the peak as backward begins (`_checkpointed`). The peak is the larger of the two
+    phases. Overheads are what no tensor shows: on CUDA the
     context, NCCL's buffers and the caching allocator's rounding (ALLOCATOR_MARGIN of tensors).
     """
     degree = s.shard_degree or s.world_size
@@ -371,15 +372,17 @@ def _checkpointed(
         return every  # simulated as it is
     if profile is None or not k:
         return moment
+    # FSDP2 computes with parameters it casts itself (comm buffers): autocast's copies, which
+    # the trace (under autocast) counts as saved, are nothing checkpointing frees there
+    never = profile.cached_casts(k) if recipe(s.strategy).sharded else 0
     # as backward begins, the output held through it without what the checkpointed
     # transformers layers leave out of it (their caches' keys and values)
     output = profile.output_held(0) - profile.output_held(k)
-    saved = profile.activation_bytes(0) - profile.activation_bytes(k)
+    saved = profile.activation_bytes(0) - profile.activation_bytes(k) - never
     derived = _less(moment, saved, profile, s, output)
     # in the forward, the previous step's output carried through it without what they leave
     # out of it; not the forward's own output, which holds only the blocks' run so far
-    casts = not recipe(s.strategy).sharded
-    kept = profile.kept_bytes(0) - profile.kept_bytes(k, casts_cached=casts)
+    kept = profile.kept_bytes(0) - profile.kept_bytes(k, casts_cached=True)
     carried = profile.carried(0) - profile.carried(k)
     in_forward = moment if forward is None else forward
     derived = max(derived, _less(in_forward, kept, profile, s, carried), key=key)
@@ -399,8 +402,9 @@ def _less(
     bytes of a model output's."""
     # The profile is traced under autocast; FSDP2's mixed precision instead computes in the
     # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
-    # copies). Scale what checkpointing frees by how much the simulation saved against it.
-    traced = profile.activation_bytes(0)
+    # copies, taken off `freed` already). Scale what checkpointing frees by how much the
+    # simulation saved against it.
+    traced = profile.activation_bytes(0) - profile.cached_casts(len(profile.block_cast_bytes))
     simulated = moment.activations + moment.temporaries
     if recipe(s.strategy).sharded and 0 < simulated < traced:
         freed = freed * simulated // traced
