@@ -85,8 +85,12 @@ class ActivationProfile:
         block_cast_bytes: of `block_saved_bytes`, autocast's copies of the parameters in its
             dtype, which autocast keeps in its cache to the end of the forward, saved or not:
             checkpointing a block leaves them alive until the model returns, and frees them only
-            from there on (empty: a profile made without the figure, or none traced under
-            autocast).
+            from there on (zeros where the trace ran without autocast; empty in a profile made
+            without the figure).
+        block_shared_bytes: of `block_saved_bytes`, storages a later block or the head saved
+            too (the block's output, where its last operator saves it and so does the next
+            block's first), not the block's own inputs: checkpointing the block alone does not
+            free them (none of them in `block_cast_bytes`; not in the next block's inputs).
         before_saved_bytes: bytes saved before the first block (embeddings).
         after_saved_bytes: bytes saved after the last block (head, loss).
         largest_saved_bytes: the largest single saved storage; its gradient is the largest
@@ -209,6 +213,7 @@ class ActivationProfile:
     block_carried_left_bytes: tuple[int, ...] = ()
     forward_rise_bytes: int = 0
     block_cast_bytes: tuple[int, ...] = ()
+    block_shared_bytes: tuple[int, ...] = ()
     block_forward_peak_bytes: tuple[int, ...] = ()
     block_checkpointed_bytes: tuple[int, ...] = ()
     block_checkpointed_into_buffers_bytes: tuple[int, ...] = ()
@@ -240,10 +245,14 @@ class ActivationProfile:
 
     def kept_bytes(self, checkpointed: int, casts_cached: bool = False) -> int:
         """Bytes saved at the end of forward with the first `checkpointed` blocks checkpointed:
-        those blocks keep only their inputs, and with `casts_cached` (autocast computes, and the
-        model has not returned) their parameters' copies too (`block_cast_bytes`)."""
+        those blocks keep only their inputs and what the blocks after them save too
+        (`block_shared_bytes`), and with `casts_cached` (autocast computes, and the model has
+        not returned) their parameters' copies too (`block_cast_bytes`)."""
         k = min(max(checkpointed, 0), len(self.block_saved_bytes))
-        dropped = sum(self.block_saved_bytes[i] - self.block_input_bytes[i] for i in range(k))
+        shared = self.block_shared_bytes or (0,) * len(self.block_saved_bytes)
+        dropped = sum(
+            self.block_saved_bytes[i] - self.block_input_bytes[i] - shared[i] for i in range(k)
+        )
         return (
             self.other_saved_bytes
             + sum(self.block_saved_bytes)

@@ -637,6 +637,7 @@ def profile_from_json(value: dict[str, Any]) -> ActivationProfile:
         block_saved_bytes=tuple(map(_int, value["block_saved_bytes"])),
         block_input_bytes=tuple(map(_int, value["block_input_bytes"])),
         block_cast_bytes=tuple(map(_int, value["block_cast_bytes"])),
+        block_shared_bytes=tuple(map(_int, value["block_shared_bytes"])),
         before_saved_bytes=_int(value["before_saved_bytes"]),
         after_saved_bytes=_int(value["after_saved_bytes"]),
         largest_saved_bytes=_int(value["largest_saved_bytes"]),

@@ -601,6 +601,7 @@ def worst(profiles: list[ActivationProfile | None]) -> ActivationProfile | None:
         block_carried_left_bytes=_least(p.block_carried_left_bytes for p in known),
         forward_rise_bytes=max(p.forward_rise_bytes for p in known),
         block_cast_bytes=_most(p.block_cast_bytes for p in known),
+        block_shared_bytes=_most(p.block_shared_bytes for p in known),
         block_forward_peak_bytes=_most(p.block_forward_peak_bytes for p in known),
         block_checkpointed_bytes=_most(p.block_checkpointed_bytes for p in known),
         block_checkpointed_into_buffers_bytes=_most(

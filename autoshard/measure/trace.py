@@ -69,6 +69,7 @@ class _Attribution:
         # the storages blocks took as inputs: a tensor of each, alive while it is (a storage
         # freed may leave its key to another)
         self.taken: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.taken_by: dict[int, int] = {}  # the block each storage taken counts for
         # the tensors saved of each storage counted: a storage whose saved tensors are all gone
         # was freed (a branch whose graph forward dropped: routing scores reduced to indices),
         # and a later storage may take its address, its key (DeepSeek-V3's blocks then went
@@ -76,6 +77,10 @@ class _Attribution:
         self.saved: dict[int, list[weakref.ref[torch.Tensor]]] = {}
         self.closed = False  # forward done: what backward saves (a recomputation) is not counted
         self.casts: set[int] = set()  # the storages counted that are autocast's parameter copies
+        # the storages a block counted that a later block, or the head, saved too (its output,
+        # where its last operator saves it and so does the next block's first): checkpointing
+        # the block alone does not free them
+        self.shared: set[int] = set()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -85,21 +90,32 @@ class _Attribution:
         # a detached alias is what autograd keeps: returning the tensor itself makes a saved
         # output (sigmoid's, softmax's) hold its own grad_fn, a cycle no collector breaks
         detached = tensor.detach()
+        alive = self._alive(key)
         saved = self.saved.setdefault(key, [])
-        alive = any(ref() is not None for ref in saved)
         saved.append(weakref.ref(detached))
+        here = self.current if self.current is not None else self._outside()
         if alive:  # the same storage, counted
+            owner = self.owner.get(key)
+            taken = self.taken.get(key)
+            taker = self.taken_by[key] if taken is not None and taken() is not None else None
+            # (a block's own input, saved by the blocks after it too, counts as its input)
+            if isinstance(owner, int) and owner != here and taker != owner:
+                if key not in self.shared and taker == here:
+                    # an earlier block's output this block takes and saves: counted once, there
+                    self.inputs[here] -= storage.nbytes()
+                self.shared.add(key)
             return detached
-        if self.current is not None:
-            self.owner[key] = self.current
-        else:
-            self.owner[key] = "after" if self.after_blocks else "before"
+        self.owner[key] = here
         self.nbytes[key] = storage.nbytes()
+        self.shared.discard(key)  # a storage freed may leave its key to another
         if _cached_cast(tensor):
             self.casts.add(key)
-        else:  # a storage freed may leave its key to another
+        else:
             self.casts.discard(key)
         return detached
+
+    def _outside(self) -> str:
+        return "after" if self.after_blocks else "before"
 
     def forward_done(self) -> None:
         """Leaves out the storages freed in forward (their saved tensors all gone): nothing of
@@ -157,7 +173,9 @@ class _Attribution:
         checkpointed, of any dtype (a boolean mask the model made: LongT5's local attention's
         786,432 B, kept to the block's backward, were left out). A storage another block took
         too (a mask, a position bias, an encoder's output for every decoder block), the batch's
-        and the parameters' count once, where first taken, or not at all."""
+        and the parameters' count once, where first taken, or not at all; one an earlier block
+        saved (its own output) and this block saves again counts as that block's saved storage
+        (`pack`), which checkpointing that block alone does not free (`shared`)."""
         for tensor in tensors:
             if not stored(tensor):
                 continue
@@ -169,7 +187,11 @@ class _Attribution:
             if taken is not None and taken() is not None:
                 continue
             self.taken[key] = weakref.ref(tensor)
+            self.taken_by[key] = index
             self.inputs[index] += storage.nbytes()
+
+    def _alive(self, key: int) -> bool:
+        return any(ref() is not None for ref in self.saved.get(key, ()))
 
     def enter(self, index: int) -> None:
         self.current = index
@@ -178,13 +200,12 @@ class _Attribution:
         self.current = None
         self.after_blocks = True
 
-    def saved_by(self, owner: int | str, casts_only: bool = False) -> int:
-        """Bytes of the storages `owner` saved (`casts_only`: of those, autocast's parameter
-        copies, `_cached_cast`)."""
+    def saved_by(self, owner: int | str, among: set[int] | None = None) -> int:
+        """Bytes of the storages `owner` saved (of those `among`, where given)."""
         return sum(
             self.nbytes[k]
             for k, o in self.owner.items()
-            if o == owner and (not casts_only or k in self.casts)
+            if o == owner and (among is None or k in among)
         )
 
 
@@ -333,7 +354,11 @@ def profile_step(
         block_saved_bytes=tuple(attribution.saved_by(i) for i in range(len(blocks))),
         block_input_bytes=tuple(attribution.inputs),
         block_cast_bytes=tuple(
-            attribution.saved_by(i, casts_only=True) for i in range(len(blocks))
+            attribution.saved_by(i, attribution.casts - attribution.shared)
+            for i in range(len(blocks))
+        ),
+        block_shared_bytes=tuple(
+            attribution.saved_by(i, attribution.shared) for i in range(len(blocks))
         ),
         before_saved_bytes=attribution.saved_by("before"),
         after_saved_bytes=attribution.saved_by("after"),
@@ -422,6 +447,7 @@ def profile_scaled(
         block_saved_bytes=lines(one.block_saved_bytes, two.block_saved_bytes),
         block_input_bytes=lines(one.block_input_bytes, two.block_input_bytes),
         block_cast_bytes=lines(one.block_cast_bytes, two.block_cast_bytes),
+        block_shared_bytes=lines(one.block_shared_bytes, two.block_shared_bytes),
         before_saved_bytes=line(one.before_saved_bytes, two.before_saved_bytes),
         after_saved_bytes=line(one.after_saved_bytes, two.after_saved_bytes),
         largest_saved_bytes=line(one.largest_saved_bytes, two.largest_saved_bytes),
@@ -662,6 +688,7 @@ def extended(
         block_saved_bytes=each(profile.block_saved_bytes),
         block_input_bytes=each(profile.block_input_bytes),
         block_cast_bytes=each(profile.block_cast_bytes),
+        block_shared_bytes=each(profile.block_shared_bytes),
         output_bytes=whole(profile.output_bytes, profile.block_output_bytes),
         block_output_bytes=each(profile.block_output_bytes),
         carried_bytes=whole(profile.carried_bytes, profile.block_carried_bytes),
