@@ -56,10 +56,21 @@ class _Net(nn.Module):
         return {"loss": x.float().square().mean(), "wide": torch.cat([x.float()] * 8, dim=1)}
 
 
-def _build(depth: int = BLOCKS) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = _Net(depth)
-    return model, torch.optim.AdamW(model.parameters(), foreach=True)
+Build = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def _builder(make: Callable[[], nn.Module]) -> Build:
+    """Builds the model `make` makes, seeded, with foreach AdamW."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = make()
+        return model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+    return build
+
+
+_build = _builder(_Net)
 
 
 def _loss(output: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
@@ -94,7 +105,7 @@ def test_the_trace_counts_autocast_s_copies_of_each_block_s_trainable_parameters
 
 
 def _real_peak(
-    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+    build: Build,
     make_batch: Callable[[], torch.Tensor],
     checkpointed: int,
     dtype: torch.dtype | None,
@@ -124,7 +135,7 @@ def _real_peak(
 
 
 def _estimate(
-    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+    build: Build,
     batch: torch.Tensor,
     checkpointed: int,
     mixed_precision: str,
@@ -166,7 +177,7 @@ def test_a_deep_model_s_forward_peak_is_extended_from_shallow_copies() -> None:
     checkpointed are derived from."""
     from autoshard.measure import simulate
 
-    real = _real_peak(lambda: _build(16), _batch, 5, torch.bfloat16)
+    real = _real_peak(_builder(lambda: _Net(16)), _batch, 5, torch.bfloat16)
     extended = []
     original = simulate._extended
 
@@ -177,7 +188,7 @@ def test_a_deep_model_s_forward_peak_is_extended_from_shallow_copies() -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(simulate, "_extended", recorded)
-        estimate = _estimate(lambda: _build(16), _batch(), 5, "bf16")
+        estimate = _estimate(_builder(lambda: _Net(16)), _batch(), 5, "bf16")
     assert extended and all(found is not None and found[3] is not None for found in extended)
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
@@ -222,10 +233,7 @@ class _SharedMask(nn.Module):
         return {"loss": x.square().mean()}
 
 
-def _build_masked() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = _SharedMask()
-    return model, torch.optim.AdamW(model.parameters(), foreach=True)
+_build_masked = _builder(_SharedMask)
 
 
 @pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
@@ -271,10 +279,7 @@ class _Chain(nn.Module):
         return {"loss": x.square().mean()}
 
 
-def _build_chain() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = _Chain()
-    return model, torch.optim.AdamW(model.parameters(), foreach=True)
+_build_chain = _builder(_Chain)
 
 
 @pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
