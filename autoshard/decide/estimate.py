@@ -404,7 +404,7 @@ def _less(
     # parameters' cast dtype throughout, saving fewer bytes (no fp32 islands, no cast weight
     # copies, taken off `freed` already). Scale what checkpointing frees by how much the
     # simulation saved against it.
-    traced = profile.activation_bytes(0) - profile.cached_casts(len(profile.block_cast_bytes))
+    traced = profile.activation_bytes(0) - sum(profile.block_cast_bytes)
     simulated = moment.activations + moment.temporaries
     if recipe(s.strategy).sharded and 0 < simulated < traced:
         freed = freed * simulated // traced

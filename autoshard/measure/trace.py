@@ -67,9 +67,8 @@ class _Attribution:
         self.nbytes: dict[int, int] = {}
         self.inputs = [0] * n_blocks
         # the storages blocks took as inputs: a tensor of each, alive while it is (a storage
-        # freed may leave its key to another)
-        self.taken: dict[int, weakref.ref[torch.Tensor]] = {}
-        self.taken_by: dict[int, int] = {}  # the block each storage taken counts for
+        # freed may leave its key to another), and the block it counts for
+        self.taken: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         # the tensors saved of each storage counted: a storage whose saved tensors are all gone
         # was freed (a branch whose graph forward dropped: routing scores reduced to indices),
         # and a later storage may take its address, its key (DeepSeek-V3's blocks then went
@@ -96,8 +95,7 @@ class _Attribution:
         here = self.current if self.current is not None else self._outside()
         if alive:  # the same storage, counted
             owner = self.owner.get(key)
-            taken = self.taken.get(key)
-            taker = self.taken_by[key] if taken is not None and taken() is not None else None
+            taker = self._taker(key)
             # (a block's own input, saved by the blocks after it too, counts as its input)
             if isinstance(owner, int) and owner != here and taker != owner:
                 if key not in self.shared and taker == here:
@@ -120,8 +118,8 @@ class _Attribution:
     def forward_done(self) -> None:
         """Leaves out the storages freed in forward (their saved tensors all gone): nothing of
         them is saved for backward."""
-        for key, saved in self.saved.items():
-            if all(ref() is None for ref in saved):
+        for key in self.saved:
+            if not self._alive(key):
                 self.owner.pop(key, None)
                 self.nbytes.pop(key, None)
         self.closed = True
@@ -183,14 +181,18 @@ class _Attribution:
             key = storage_key(storage)
             if key in self.existing:
                 continue
-            taken = self.taken.get(key)
-            if taken is not None and taken() is not None:
+            if self._taker(key) is not None:
                 continue
-            self.taken[key] = weakref.ref(tensor)
-            self.taken_by[key] = index
+            self.taken[key] = (weakref.ref(tensor), index)
             self.inputs[index] += storage.nbytes()
 
+    def _taker(self, key: int) -> int | None:
+        """The block a storage taken as an input counts for, while it is alive."""
+        taken = self.taken.get(key)
+        return taken[1] if taken is not None and taken[0]() is not None else None
+
     def _alive(self, key: int) -> bool:
+        """Whether a tensor saved of the storage `key` is alive."""
         return any(ref() is not None for ref in self.saved.get(key, ()))
 
     def enter(self, index: int) -> None:
