@@ -3,10 +3,11 @@ computes (unwrapped, DDP), autocast keeps its copies of the parameters in its ca
 model returns, a checkpointed block's too, so at a peak in the forward checkpointing frees a
 block's saved activations but not those copies (`ActivationProfile.block_cast_bytes`); each
 checkpointed block keeps the CPU generator's state until its backward; and it keeps its inputs
-of every dtype (a boolean mask the model made). MRA under bf16 was credited 294,912 + 5,056 B a
-checkpointed block that its real step kept (-0.43% with one of four checkpointed, -1.62% with
-three), LongT5 its local attention's mask (-0.31% to -0.42%); the formulas left every block's
-copies out of the forward."""
+of every dtype (a boolean mask the model made), and what the blocks after it save too (its
+output, where its last operator and the next block's first save it). MRA under bf16 was
+credited 294,912 + 5,056 B a checkpointed block that its real step kept (-0.43% with one of four
+checkpointed, -1.62% with three), LongT5 its local attention's mask (-0.44% to -0.95% with the
+copies); the formulas left every block's copies out of the forward."""
 
 from __future__ import annotations
 
