@@ -609,7 +609,7 @@ def test_the_step_s_temporaries_scale_with_the_shard_to_the_world_planned(
     # the candidate's estimate, with the step its peak (the forward/backward phase emptied)
     empty = replace(simulated.backward, **dict.fromkeys(_PHASE_TERMS, 0))
     setting = Setting(strategy, 0, 64, 4, 4, "cpu", cuda_context_pending=False)
-    footprint = from_simulation(stats, None, setting, replace(simulated, backward=empty))
+    footprint = from_simulation(stats, None, setting, replace(simulated, backward=empty, peaks=()))
     assert footprint.temporaries == shard, footprint
 
 

@@ -227,6 +227,12 @@ class Simulated:
     # parameters are alive through, a checkpointed block's too (`ActivationProfile.
     # block_cast_bytes`). None: not told apart from `backward`.
     forward: Phase | None = None
+    # The moments of forward and backward that are the peak once the sharded terms are scaled
+    # to another degree or moved to the host (`measure.step.peaks`; with every block
+    # checkpointed: `checkpointed_peaks`): `backward` is the peak at `degree` alone. Empty:
+    # `backward` at any degree.
+    peaks: tuple[Phase, ...] = ()
+    checkpointed_peaks: tuple[Phase, ...] = ()
 
     def scaled(self, ratio: float, per_parameter: float) -> Simulated:
         """The sharded terms at another shard size: the parameters, gradients and optimizer
@@ -251,6 +257,8 @@ class Simulated:
             accumulating=scaled(self.accumulating),
             checkpointed_accumulating=scaled(self.checkpointed_accumulating),
             forward=scaled(self.forward),
+            peaks=tuple(p.scaled(ratio) for p in self.peaks),
+            checkpointed_peaks=tuple(p.scaled(ratio) for p in self.checkpointed_peaks),
         )
 
 
@@ -308,9 +316,22 @@ def from_simulation(
     ratio = shard_ratio(stats, sim.degree, degree) if sharded else 1.0
     per_parameter = per_parameter_ratio(stats, (sim.degree, 0), (degree, 0)) if sharded else 1.0
     at_degree = sim.scaled(ratio, per_parameter)
+    if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
+        at_degree = _on_device(at_degree)
     step = at_degree.step
-    backward = _checkpointed(
-        at_degree.backward, at_degree.checkpointed_backward, profile, s, forward=at_degree.forward
+    # The peak among the moments that are the peak at some degree: the simulation's own, at
+    # its degree, may be another moment at this one (`measure.step.peaks`).
+    every = max(
+        _moments(at_degree.checkpointed_backward, at_degree.checkpointed_peaks),
+        key=_sum,
+        default=None,
+    )
+    backward = max(
+        (
+            _checkpointed(moment, every, profile, s, forward=at_degree.forward)
+            for moment in _moments(at_degree.backward, at_degree.peaks)
+        ),
+        key=_sum,
     )
     if (
         recipe(s.strategy).engine is Engine.NONE
@@ -327,9 +348,6 @@ def from_simulation(
             accumulating,
             key=lambda p: _sum(p) + accumulated_grad_bytes(stats, s, p.grads),
         )
-    if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
-        backward = replace(backward, params=0, grads=0, optimizer_state=0)
-        step = Phase(0, step.buffers, 0, 0, step.activations, 0, 0)
     accumulated = accumulated_grad_bytes(stats, s, backward.grads)
     backward = replace(backward, grads=backward.grads + accumulated)
     retired = retired_bucket_bytes(stats, s)
@@ -345,6 +363,34 @@ def from_simulation(
         phase.temporaries,
     )
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
+
+
+def _moments(peak: Phase | None, peaks: tuple[Phase, ...]) -> tuple[Phase, ...]:
+    """A simulation's peak and the moments that are the peak at another degree."""
+    return () if peak is None else (peak, *peaks)
+
+
+def _on_device(sim: Simulated) -> Simulated:
+    """`sim` with the parameters, gradients and optimizer state in host memory (CPU offload),
+    where the optimizer step runs too."""
+
+    def off(phase: Phase) -> Phase:
+        return replace(phase, params=0, grads=0, optimizer_state=0)
+
+    def maybe(phase: Phase | None) -> Phase | None:
+        return None if phase is None else off(phase)
+
+    return replace(
+        sim,
+        backward=off(sim.backward),
+        step=Phase(0, sim.step.buffers, 0, 0, sim.step.activations, 0, 0),
+        checkpointed_backward=maybe(sim.checkpointed_backward),
+        accumulating=maybe(sim.accumulating),
+        checkpointed_accumulating=maybe(sim.checkpointed_accumulating),
+        forward=maybe(sim.forward),
+        peaks=tuple(map(off, sim.peaks)),
+        checkpointed_peaks=tuple(map(off, sim.checkpointed_peaks)),
+    )
 
 
 def _checkpointed(

@@ -602,7 +602,8 @@ def describe_device(device: torch.device) -> list[Any]:
 
 
 def simulated_to_json(simulated: Simulated) -> dict[str, Any]:
-    return asdict(simulated)
+    # the moments' tuples as the lists JSON reads back
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(simulated).items()}
 
 
 def simulated_from_json(value: dict[str, Any]) -> Simulated:
@@ -622,6 +623,8 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
         accumulating=maybe("accumulating"),
         checkpointed_accumulating=maybe("checkpointed_accumulating"),
         forward=maybe("forward"),
+        peaks=tuple(map(phase, value["peaks"])),
+        checkpointed_peaks=tuple(map(phase, value["checkpointed_peaks"])),
     )
 
 

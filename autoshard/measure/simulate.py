@@ -72,6 +72,7 @@ from autoshard.measure.step import (
     autograd_on,
     of_forward,
     peak_of,
+    peaks,
     total,
     tracked_step,
     with_state,
@@ -156,14 +157,15 @@ def simulate(
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            backward, step, accumulating, forward = found
+            instants, step, forward = found
             return Simulated(
-                backward,
+                max(instants, key=total),
                 step,
                 degree,
                 per_parameter_step=loop,
-                accumulating=accumulating,
+                accumulating=max(instants, key=besides_grads),
                 forward=forward,
+                peaks=peaks(instants),
             )
     moments, step = run(None, None)
     forwards = of_forward(moments)
@@ -174,6 +176,7 @@ def simulate(
         per_parameter_step=loop,
         accumulating=peak_of(moments, besides_grads),
         forward=peak_of(forwards) if forwards else None,
+        peaks=peaks(phase for phases in moments.values() for phase in phases),
     )
 
 
@@ -186,10 +189,10 @@ def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
 
 def _by_periods(
     run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout
-) -> tuple[Phase, Phase, Phase, Phase | None] | None:
-    """The forward/backward and step peaks, the moment with the most bytes besides gradients
-    and the forward's peak from copies of 3, 4, 5 (then 6) periods of every list (`run`),
-    extended (`_extended`); None where they are not on one line."""
+) -> tuple[list[Phase], Phase, Phase | None] | None:
+    """The instants of forward and backward, the step's peak and the forward's peak from
+    copies of 3, 4, 5 (then 6) periods of every list (`run`), extended (`_extended`); None
+    where they are not on one line."""
     runs = {k: run(repeats, k) for k in SHALLOW}
     while True:
         k1, k2, k3 = sorted(runs)[-3:]
@@ -204,11 +207,10 @@ def _by_periods(
 
 def _extended(
     p1: Steps, p2: Steps, p3: Steps, depths: tuple[int, int, int], full: int
-) -> tuple[Phase, Phase, Phase, Phase | None] | None:
-    """The forward/backward peak, the step's, the moment with the most bytes besides gradients
-    (`besides_grads`) and the forward's peak (None: no moment of it met at both depths) at `full`
-    periods from runs at three `depths`, or None where the third is off the line through the
-    first two.
+) -> tuple[list[Phase], Phase, Phase | None] | None:
+    """The instants of forward and backward (`_instants`), the step's peak and the forward's
+    peak (None: no moment of it met at both depths) at `full` periods from runs at three
+    `depths`, or None where the third is off the line through the first two.
 
     Each moment of forward and backward is extended on its own and the largest taken at the full
     depth: the peak's moment can move with depth (the head's backward with few blocks, the end
@@ -220,43 +222,42 @@ def _extended(
     line = _extend_moments(p1[0], p2[0], k1, k2, k3)
     met = {label: p3[0][label] for label in p3[0] if label in p1[0] or label == INTERIOR}
     actual = peak_of(met)
-    extended = _extend_moments(p2[0], p3[0], k2, k3, full)
-    accumulating = _extend_moments(p2[0], p3[0], k2, k3, full, besides_grads)
-    if line is None or extended is None or accumulating is None:
+    extended = _instants(p2[0], p3[0], k2, k3, full)
+    if line is None or extended is None:
         return None
     if abs(total(line) - total(actual)) > _LINEARITY_TOLERANCE * total(actual):
         return None
     forward = _extend_moments(of_forward(p2[0]), of_forward(p3[0]), k2, k3, full)
-    return extended, _extend(p2[1], p3[1], k2, k3, full), accumulating, forward
+    return extended, _extend(p2[1], p3[1], k2, k3, full), forward
 
 
 def _extend_moments(
-    a: dict[str, list[Phase]],
-    b: dict[str, list[Phase]],
-    d1: int,
-    d2: int,
-    depth: int,
-    key: Callable[[Phase], int] = total,
+    a: dict[str, list[Phase]], b: dict[str, list[Phase]], d1: int, d2: int, depth: int
 ) -> Phase | None:
-    """The forward/backward peak at `depth` periods: each moment met at both d1 and d2 extended
-    instant by instant (its k-th operator at d1 with its k-th at d2, `_extend`), the largest
-    (by `key`) taken. A moment's peak is the largest of lines in depth, one per instant, so
-    extending its peak alone falls short once a steeper instant overtakes it (a Llama's head:
-    the loss's temporaries with few blocks, the last block's output beside every block's cast
-    weights with many). An interior block's moment is left out, its largest sitting at an end
+    """The forward/backward peak at `depth` periods: the largest of the `_instants`."""
+    instants = _instants(a, b, d1, d2, depth)
+    return None if instants is None else max(instants, key=total)
+
+
+def _instants(
+    a: dict[str, list[Phase]], b: dict[str, list[Phase]], d1: int, d2: int, depth: int
+) -> list[Phase] | None:
+    """The instants of forward and backward at `depth` periods: each moment met at both d1 and
+    d2 extended instant by instant (its k-th operator at d1 with its k-th at d2, `_extend`).
+    A moment's peak is the largest of lines in depth, one per instant, so extending its peak
+    alone falls short once a steeper instant overtakes it (a Llama's head: the loss's
+    temporaries with few blocks, the last block's output beside every block's cast weights
+    with many). An interior block's moment is left out, its largest sitting at an end
     (`layout.Stretch.label`). None where a moment ran a different number of operators at the two
     depths (the model is then simulated whole), or no moment is met at both."""
     common = [label for label in b if label in a and not label.endswith(INTERIOR)]
     if not common or any(len(a[label]) != len(b[label]) for label in common):
         return None
-    return max(
-        (
-            _extend(x, y, d1, d2, depth)
-            for label in common
-            for x, y in zip(a[label], b[label], strict=True)
-        ),
-        key=key,
-    )
+    return [
+        _extend(x, y, d1, d2, depth)
+        for label in common
+        for x, y in zip(a[label], b[label], strict=True)
+    ]
 
 
 def _extend(a: Phase, b: Phase, d1: int, d2: int, depth: int) -> Phase:
@@ -571,6 +572,10 @@ def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
             plain,
             checkpointed_backward=with_plain_state(runs[strategy, True].backward, plain),
             checkpointed_accumulating=with_plain_state(runs[strategy, True].accumulating, plain),
+            checkpointed_peaks=tuple(
+                with_state(phase, plain.backward.optimizer_state)
+                for phase in runs[strategy, True].peaks
+            ),
         )
         if (strategy, True) in runs
         else plain

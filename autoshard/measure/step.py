@@ -4,7 +4,7 @@ as in a steady step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from autoshard._torch_compat import (
     tracker_reset_peak,
     tree_leaves,
 )
-from autoshard.decide.estimate import Phase
+from autoshard.decide.estimate import Phase, besides_grads
 from autoshard.measure.rise import stored
 from autoshard.measure.rng import states_counted
 from autoshard.measure.workspace import Workspace
@@ -98,9 +98,7 @@ def tracked_step(
         tracker = frozen_safe(MemTracker())
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
     moments = Moments(tracker, labelled or [])
-    moments.recording = bool(labelled) and tracker_global_peak_only(tracker, moments.observe)
-    if not moments.recording:
-        tracker_global_peak_only(tracker)
+    moments.recording = tracker_global_peak_only(tracker, moments.observe)
     # inside the tracker, which so sees the workspace blocks and the generator states kept
     trains_on = setup.trains_on or setup.device
     with (
@@ -154,8 +152,14 @@ LOSS = "the loss"  # computed of the output, where the model's forward did not
 HEAD = "head backward"  # from the loss down to the last block's backward
 
 
+# Instants a moment not `aligned` keeps before they are cut down to its `peaks`
+_UNALIGNED = 256
+
+
 class Moments:
-    """The tracker's peak within each moment of forward and backward, by label.
+    """The bytes of each moment of forward and backward, by label: after each of its operators
+    (`aligned`, to be extended), else its `peaks` (where this torch's tracker lets each
+    operator's bytes be read; else the tracker's peak within it).
 
     Hooks on each block mark where its forward begins and, on its outputs, where its backward
     begins (the gradient of its output is ready). The moments: the forward up to the first
@@ -176,6 +180,9 @@ class Moments:
         self.label: str | None = FORWARD
         self.in_backward = False
         self.recording = False  # `observe` sees every operator
+        # every instant kept, each moment's k-th operator to be extended with its k-th at
+        # another depth; else each moment's `peaks`
+        self.aligned = bool(labelled)
         self.series: dict[str, list[Phase]] = {}
 
     def observe(self, snapshots: dict[Any, dict[Any, int]]) -> None:
@@ -186,11 +193,16 @@ class Moments:
         series = self.series.setdefault(self.label, [])
         if not series or series[-1] != phase:  # an operator that allocated or freed
             series.append(phase)
+            if not self.aligned and len(series) > _UNALIGNED:
+                series[:] = peaks(series)
 
     def result(self) -> dict[str, list[Phase]]:
-        """Each moment's bytes after each of its operators where recorded, else its peak."""
+        """Each moment's bytes after each of its operators where recorded and `aligned`, its
+        `peaks` where recorded, else its peak."""
         if self.recording:
-            return self.series
+            if self.aligned:
+                return self.series
+            return {label: list(peaks(series)) for label, series in self.series.items()}
         return {label: [phase] for label, phase in self.seen.items()}
 
     def mark(self, label: str | None) -> None:
@@ -288,6 +300,41 @@ def in_forward(label: str) -> bool:
 def peak_of(moments: dict[str, list[Phase]], key: Callable[[Phase], int] | None = None) -> Phase:
     """The forward/backward peak: the largest of any moment (by `key`, default its total)."""
     return max((phase for phases in moments.values() for phase in phases), key=key or total)
+
+
+def peaks(phases: Iterable[Phase]) -> tuple[Phase, ...]:
+    """Of `phases`, those that are the largest once the sharded terms (parameters, gradients,
+    optimizer state: `sharded_bytes`) are scaled by some factor from 0 up: the largest by
+    total first, then the rest of the upper convex hull of (sharded, other) bytes from the
+    most other bytes to the most sharded ones, and the largest besides gradients
+    (`estimate.besides_grads`). A simulation on 8 ranks picked its peak at 8 ranks' shards; a
+    plan for 16,384 ranks (shards 2,048 times smaller) peaks where the most activations are
+    alive, and CPU offload (the state in host memory, factor 0) too: a 405B-shaped model with
+    every block checkpointed, its moment ending backward with 184 GiB of gradients at 8 ranks
+    (3 GiB of activations), had 34 GiB of activations alive at another."""
+    by_point = {(sharded_bytes(p), total(p) - sharded_bytes(p)): p for p in phases}
+    if not by_point:
+        return ()
+    hull: list[tuple[int, int]] = []  # the upper hull, left to right
+    for point in sorted(by_point):
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], point) >= 0:
+            hull.pop()
+        hull.append(point)
+    most_other = max(range(len(hull)), key=lambda i: (hull[i][1], i))
+    kept = [by_point[point] for point in hull[most_other:]]
+    largest = max(kept, key=total)
+    extra = max(by_point.values(), key=besides_grads)
+    return tuple(dict.fromkeys((largest, *kept, extra)))
+
+
+def _turn(o: tuple[int, int], a: tuple[int, int], b: tuple[int, int]) -> int:
+    """Positive where o -> a -> b turns left (a is under the line from o to b)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def sharded_bytes(phase: Phase) -> int:
+    """A moment's bytes that FSDP2 shards (and CPU offload moves to the host)."""
+    return phase.params + phase.grads + phase.optimizer_state
 
 
 def with_state(phase: Phase, state: int) -> Phase:
