@@ -924,6 +924,28 @@ def test_from_simulation_under_cpu_offload_keeps_state_off_the_device() -> None:
     assert host_bytes(unknown, s) == (176 + 176 + 352) // 2
 
 
+def test_cpu_offload_s_formulas_peak_where_the_device_s_bytes_do() -> None:
+    """Under CPU offload the state is in host memory: the formulas' peak is the moment with the
+    most bytes on the device, the forward's end with its transients (300 bytes), not the
+    beginning of backward, which is the largest only with the gradients beside it (offload was
+    3.3% under)."""
+    from autoshard.decide.estimate import analytic
+
+    profile = dataclasses.replace(
+        _sim_profile(), block_checkpointed_bytes=(50, 90, 70), forward_rise_bytes=300
+    )
+    rows = ((64, 16, 4),)  # 4,096 bytes of parameters, as many of gradients
+    stats = ModelStats(4096, 4096, 1024, (256, 256, 256), 8192, "", 0, None, rows, rows)
+    full = analytic(stats, profile, setting(Strategy.FULL_SHARD, 1, checkpointed=2))
+    offload = analytic(stats, profile, setting(Strategy.CPU_OFFLOAD, 1, checkpointed=2))
+    # FULL_SHARD: backward's beginning, its temporaries the largest saved activation and its
+    # gradient, every gradient alive
+    assert (full.grads, full.temporaries) == (4096, 2 * profile.largest_saved_bytes)
+    assert (offload.params, offload.grads, offload.optimizer_state) == (0, 0, 0)
+    assert offload.activations == full.activations
+    assert offload.temporaries == profile.forward_rise_bytes
+
+
 def test_cpu_offload_s_step_runs_the_host_s_implementation() -> None:
     """Under CPU offload the optimizer steps CPU tensors, where torch's default is the loop:
     `AdamW()` planned for CUDA holds foreach's copy of every parameter on the device's step,

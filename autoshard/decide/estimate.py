@@ -520,6 +520,8 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     def in_phase(
         grads_made: int, activations: int, temporaries: int
     ) -> tuple[int, int, int, int, int, int]:
+        if recipe(s.strategy).offload:  # the state in host memory: not in the device's peak
+            return (stats.buffer_bytes, 0, 0, activations, comm, temporaries)
         grads_held = grads_made + accumulated_grad_bytes(stats, s, grads_made)
         return (params, grads_held, optimizer_state, activations, comm, temporaries)
 
@@ -564,8 +566,7 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
     if profile is not None:
         after = max(held, stats.input_bytes + profile.carried(s.checkpointed))
     step = (params, grads, optimizer_state, after, retired_bucket_bytes(stats, s), step_temp)
-    if recipe(s.strategy).offload:  # state lives in host memory, the step runs there
-        backward = (stats.buffer_bytes, 0, 0, *backward[3:])
+    if recipe(s.strategy).offload:  # the step runs in host memory
         step = (stats.buffer_bytes, 0, 0, after, 0, 0)
     terms = max(backward, step, key=sum)
     return Footprint(*terms, overhead_bytes(sum(terms), s), s.library_workspace_bytes)
