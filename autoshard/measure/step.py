@@ -152,7 +152,8 @@ LOSS = "the loss"  # computed of the output, where the model's forward did not
 HEAD = "head backward"  # from the loss down to the last block's backward
 
 
-# Instants a moment not `aligned` keeps before they are cut down to its `peaks`
+# Instants a moment not `aligned` keeps before they are first cut down to its `peaks`, and
+# then twice as many as were left
 _UNALIGNED = 256
 
 
@@ -184,6 +185,7 @@ class Moments:
         # another depth; else each moment's `peaks`
         self.aligned = bool(labelled)
         self.series: dict[str, list[Phase]] = {}
+        self.cut_at: dict[str, int] = {}  # a moment's instants cut to its peaks beyond these
 
     def observe(self, snapshots: dict[Any, dict[Any, int]]) -> None:
         """The bytes after one operator, kept under the current moment (`recording`)."""
@@ -193,8 +195,9 @@ class Moments:
         series = self.series.setdefault(self.label, [])
         if not series or series[-1] != phase:  # an operator that allocated or freed
             series.append(phase)
-            if not self.aligned and len(series) > _UNALIGNED:
+            if not self.aligned and len(series) > self.cut_at.get(self.label, _UNALIGNED):
                 series[:] = peaks(series)
+                self.cut_at[self.label] = max(_UNALIGNED, 2 * len(series))
 
     def result(self) -> dict[str, list[Phase]]:
         """Each moment's bytes after each of its operators where recorded and `aligned`, its
@@ -303,28 +306,57 @@ def peak_of(moments: dict[str, list[Phase]], key: Callable[[Phase], int] | None 
 
 
 def peaks(phases: Iterable[Phase]) -> tuple[Phase, ...]:
-    """Of `phases`, those that are the largest once the sharded terms (parameters, gradients,
-    optimizer state: `sharded_bytes`) are scaled by some factor from 0 up: the largest by
-    total first, then the rest of the upper convex hull of (sharded, other) bytes from the
-    most other bytes to the most sharded ones, and the largest besides gradients
+    """Of `phases`, those that can be the largest once the sharded terms (parameters, gradients,
+    optimizer state: `sharded_bytes`) are scaled by some factor from 0 up, with or without
+    checkpointing's share of the rest let go: the largest by total first, then the upper convex
+    hull of (sharded bytes, the others) and of (sharded bytes, what checkpointing never frees:
+    buffers, gathered parameters and gradients), and the largest besides gradients
     (`estimate.besides_grads`). A simulation on 8 ranks picked its peak at 8 ranks' shards; a
     plan for 16,384 ranks (shards 2,048 times smaller) peaks where the most activations are
     alive, and CPU offload (the state in host memory, factor 0) too: a 405B-shaped model with
     every block checkpointed, its moment ending backward with 184 GiB of gradients at 8 ranks
-    (3 GiB of activations), had 34 GiB of activations alive at another."""
-    by_point = {(sharded_bytes(p), total(p) - sharded_bytes(p)): p for p in phases}
-    if not by_point:
+    (3 GiB of activations), had 34 GiB of activations alive at another. Checkpointing k blocks
+    lets go of activations and temporaries alone (`estimate._less`): exactly the largest
+    unwrapped and under DDP; under FSDP2, which lets go of a share of each moment's, the
+    shares between all and none are not covered."""
+    distinct = list(dict.fromkeys(phases))
+    if not distinct:
         return ()
-    hull: list[tuple[int, int]] = []  # the upper hull, left to right
+    # Of moments at one point the one that stays largest: with the most that checkpointing
+    # never frees (on the hull of the others), with the most checkpointing may free (on the
+    # hull of what it never frees)
+    kept = [
+        *_upper_hull(distinct, lambda p: total(p) - sharded_bytes(p), _never_freed),
+        *_upper_hull(distinct, _never_freed, total),
+    ]
+    largest = max(distinct, key=total)
+    extra = max(distinct, key=besides_grads)
+    return tuple(dict.fromkeys((largest, *kept, extra)))
+
+
+def _upper_hull(
+    phases: list[Phase], other: Callable[[Phase], int], prefer: Callable[[Phase], int]
+) -> list[Phase]:
+    """The phases on the upper convex hull of (`sharded_bytes`, `other` bytes) from the most
+    `other` bytes to the most sharded: each the largest of other + r x sharded for some r >= 0
+    (and every such largest is one of them); of phases at one point, the one `prefer`red."""
+    by_point: dict[tuple[int, int], Phase] = {}
+    for phase in phases:
+        point = (sharded_bytes(phase), other(phase))
+        if point not in by_point or prefer(phase) > prefer(by_point[point]):
+            by_point[point] = phase
+    hull: list[tuple[int, int]] = []  # left to right
     for point in sorted(by_point):
         while len(hull) >= 2 and _turn(hull[-2], hull[-1], point) >= 0:
             hull.pop()
         hull.append(point)
     most_other = max(range(len(hull)), key=lambda i: (hull[i][1], i))
-    kept = [by_point[point] for point in hull[most_other:]]
-    largest = max(kept, key=total)
-    extra = max(by_point.values(), key=besides_grads)
-    return tuple(dict.fromkeys((largest, *kept, extra)))
+    return [by_point[point] for point in hull[most_other:]]
+
+
+def _never_freed(phase: Phase) -> int:
+    """A moment's bytes that checkpointing frees nothing of (`estimate._less`)."""
+    return phase.buffers + phase.comm_buffers
 
 
 def _turn(o: tuple[int, int], a: tuple[int, int], b: tuple[int, int]) -> int:
