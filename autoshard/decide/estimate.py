@@ -521,7 +521,9 @@ def analytic(stats: ModelStats, profile: ActivationProfile | None, s: Setting) -
         grads_made: int, activations: int, temporaries: int
     ) -> tuple[int, int, int, int, int, int]:
         if recipe(s.strategy).offload:  # the state in host memory: not in the device's peak
-            return (stats.buffer_bytes, 0, 0, activations, comm, temporaries)
+            # but earlier micro-batches' gradients, unsharded on the device until reduced
+            accumulated = accumulated_grad_bytes(stats, s, 0)
+            return (stats.buffer_bytes, accumulated, 0, activations, comm, temporaries)
         grads_held = grads_made + accumulated_grad_bytes(stats, s, grads_made)
         return (params, grads_held, optimizer_state, activations, comm, temporaries)
 
