@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_estimate import _sim_profile
 from torch import nn
 
 from autoshard.decide.estimate import (
@@ -29,7 +30,6 @@ from autoshard.decide.estimate import (
     model_stats,
     shard_ratio,
 )
-from autoshard.decide.profile import ActivationProfile
 from autoshard.measure import simulate, step
 from autoshard.measure.fake import unavailable
 from autoshard.measure.simulate import Setup, combine, simulate_all
@@ -109,20 +109,6 @@ def test_the_estimate_peaks_at_the_moment_largest_at_the_degree_planned() -> Non
     assert every.activations == 100
 
 
-def _profile() -> ActivationProfile:
-    """Three blocks saving 50, 90 and 70 bytes beyond inputs of 5, 6 and 7."""
-    return ActivationProfile(
-        block_saved_bytes=(50, 90, 70),
-        block_input_bytes=(5, 6, 7),
-        before_saved_bytes=100,
-        after_saved_bytes=1000,
-        largest_saved_bytes=40,
-        block_forward_flops=(1, 1, 1),
-        total_forward_flops=4,
-        compute_dtype=torch.float32,
-    )
-
-
 @pytest.mark.parametrize("strategy", [Strategy.LOCAL, Strategy.DDP, Strategy.FULL_SHARD], ids=str)
 def test_the_peaks_give_what_every_moment_gives_with_blocks_checkpointed(
     strategy: Strategy,
@@ -149,8 +135,8 @@ def test_the_peaks_give_what_every_moment_gives_with_blocks_checkpointed(
         s = _setting(strategy, world, k)
         from_all = Simulated(largest, step_, 8, peaks=tuple(moments))
         from_peaks = Simulated(largest, step_, 8, peaks=kept)
-        found = from_simulation(_stats(), _profile(), s, from_peaks)
-        assert found == from_simulation(_stats(), _profile(), s, from_all), k
+        found = from_simulation(_stats(), _sim_profile(), s, from_peaks)
+        assert found == from_simulation(_stats(), _sim_profile(), s, from_all), k
 
 
 class _Wide(nn.Module):
