@@ -310,8 +310,9 @@ def peaks(phases: Iterable[Phase]) -> tuple[Phase, ...]:
     optimizer state: `sharded_bytes`) are scaled by some factor from 0 up, with or without
     checkpointing's share of the rest let go: the largest by total first, then the upper convex
     hull of (sharded bytes, the others) and of (sharded bytes, what checkpointing never frees:
-    buffers, gathered parameters and gradients), and the largest besides gradients
-    (`estimate.besides_grads`). A simulation on 8 ranks picked its peak at 8 ranks' shards; a
+    buffers, gathered parameters and gradients), the largest besides gradients
+    (`estimate.besides_grads`) and the one with the most activations and temporaries
+    (`estimate._Calibration`). A simulation on 8 ranks picked its peak at 8 ranks' shards; a
     plan for 16,384 ranks (shards 2,048 times smaller) peaks where the most activations are
     alive, and CPU offload (the state in host memory, factor 0) too: a 405B-shaped model with
     every block checkpointed, its moment ending backward with 184 GiB of gradients at 8 ranks
@@ -331,7 +332,8 @@ def peaks(phases: Iterable[Phase]) -> tuple[Phase, ...]:
     ]
     largest = max(distinct, key=total)
     extra = max(distinct, key=besides_grads)
-    return tuple(dict.fromkeys((largest, *kept, extra)))
+    held = max(distinct, key=lambda p: p.activations + p.temporaries)
+    return tuple(dict.fromkeys((largest, *kept, extra, held)))
 
 
 def _upper_hull(
