@@ -318,8 +318,8 @@ def peaks(phases: Iterable[Phase]) -> tuple[Phase, ...]:
     every block checkpointed, its moment ending backward with 184 GiB of gradients at 8 ranks
     (3 GiB of activations), had 34 GiB of activations alive at another. Checkpointing k blocks
     lets go of activations and temporaries alone (`estimate._less`): exactly the largest
-    unwrapped and under DDP; under FSDP2, which lets go of a share of each moment's, the
-    shares between all and none are not covered."""
+    unwrapped and under DDP; under FSDP2, whose share depends on each moment's own bytes, with
+    none checkpointed, not always with some."""
     distinct = list(dict.fromkeys(phases))
     if not distinct:
         return ()
