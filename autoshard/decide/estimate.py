@@ -371,25 +371,9 @@ def _moments(peak: Phase | None, peaks: tuple[Phase, ...]) -> tuple[Phase, ...]:
 
 def _on_device(sim: Simulated) -> Simulated:
     """`sim` with the parameters, gradients and optimizer state in host memory (CPU offload),
-    where the optimizer step runs too."""
-
-    def off(phase: Phase) -> Phase:
-        return replace(phase, params=0, grads=0, optimizer_state=0)
-
-    def maybe(phase: Phase | None) -> Phase | None:
-        return None if phase is None else off(phase)
-
-    return replace(
-        sim,
-        backward=off(sim.backward),
-        step=Phase(0, sim.step.buffers, 0, 0, sim.step.activations, 0, 0),
-        checkpointed_backward=maybe(sim.checkpointed_backward),
-        accumulating=maybe(sim.accumulating),
-        checkpointed_accumulating=maybe(sim.checkpointed_accumulating),
-        forward=maybe(sim.forward),
-        peaks=tuple(map(off, sim.peaks)),
-        checkpointed_peaks=tuple(map(off, sim.checkpointed_peaks)),
-    )
+    where the optimizer step runs too: every moment's sharded terms scaled to nothing."""
+    step = sim.step
+    return replace(sim.scaled(0.0, 0.0), step=Phase(0, step.buffers, 0, 0, step.activations, 0, 0))
 
 
 def _checkpointed(
