@@ -62,9 +62,6 @@ SYMBOLS: dict[str, Symbol] = {
         "torch.utils._python_dispatch:_disable_current_modes",
         "running a workspace probe for real under the fake mode",
     ),
-    "checkpoint": Symbol(
-        "torch.distributed._composable:checkpoint", "activation checkpointing of non-HF blocks"
-    ),
     "_reparametrize_module": Symbol(
         "torch.nn.utils.stateless:_reparametrize_module",
         "the operator check: one block's parameters on meta inside a forward on fake tensors",
@@ -275,11 +272,6 @@ disable_current_modes = resolve("_disable_current_modes")
 
 # ---------------------------------------------------------------------------------------------
 # Functions over private names (resolved when called)
-
-
-def composable_checkpoint(module: torch.nn.Module) -> None:
-    """torch's hook-based activation checkpoint (module tree and parameter names unchanged)."""
-    resolve("checkpoint")(module)
 
 
 def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:

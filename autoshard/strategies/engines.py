@@ -6,14 +6,17 @@ what was applied; the simulation (`measure.simulate`) wraps its fake copy throug
 
 from __future__ import annotations
 
+import functools
 import sys
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard._torch_compat import composable_checkpoint, is_batch_norm, tree_map
+from autoshard._torch_compat import is_batch_norm, tree_map
 from autoshard._world import World
 from autoshard.strategies.recipes import Recipe, recipe
 from autoshard.strategies.strategy import Strategy
@@ -25,13 +28,51 @@ def checkpoint_block(module: nn.Module) -> None:
     while training, its checkpointed forward also drops the KV cache, whose update in the
     recomputation would make it save other tensors than the forward did (T5, Whisper:
     "CheckpointError: ... A different number of tensors was saved"), a cache passed by position
-    too (`_checkpointed_without_cache`). Anything else gets torch's composable `checkpoint`
-    (hooks: the module tree and parameter names stay as they are)."""
+    too (`_checkpointed_without_cache`). Anything else gets its forward run inside torch's
+    non-reentrant `checkpoint` (`_checkpointed_forward`): the module tree and parameter names
+    stay as they are."""
     if is_transformers_layer(module):
         setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
         setattr(module, "_gradient_checkpointing_func", _checkpointed_without_cache)  # noqa: B010
         return
-    composable_checkpoint(module)
+    module.forward = _checkpointed_forward(module)  # type: ignore[method-assign]
+
+
+def _checkpointed_forward(module: nn.Module) -> Callable[..., Any]:
+    """`module`'s forward run inside torch's non-reentrant `checkpoint`, as a method of it (a
+    deep copy of the module, an EMA copy say, gets its own; nothing holds the module besides).
+    The forward is the class's unless the module has its own (then that one, rebound to a copy
+    where it was a method of the module). Not torch's composable, hook-based `checkpoint`:
+    from torch 2.13 a compiled model (`torch.compile`, AOTAutograd's backends, inductor among
+    them) with such blocks raised "CheckpointError: ... Recomputed values for the following
+    tensors have different metadata" in its backward; dynamo compiles a `checkpoint` call."""
+    own = vars(module).get("forward")
+    method = getattr(own, "__func__", None) if getattr(own, "__self__", None) is module else None
+    if own is None:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _checkpointed(type(self).forward.__get__(self), *args, **kwargs)
+
+        functools.update_wrapper(forward, type(module).forward)
+    elif method is not None:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _checkpointed(method.__get__(self), *args, **kwargs)
+
+        functools.update_wrapper(forward, method)
+    else:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _checkpointed(own, *args, **kwargs)
+
+    return types.MethodType(forward, module)
+
+
+def _checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function` under torch's non-reentrant `checkpoint`."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
@@ -43,11 +84,8 @@ def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
     read from the cache in the recomputation, were not saved again ("CheckpointError: ... A
     different number of tensors was saved"; a vision encoder-decoder with a GPT-2 decoder could
     not be checkpointed)."""
-    from torch.utils.checkpoint import checkpoint
-
     caches = transformers_caches()
-    args = tuple(None if isinstance(arg, caches) else arg for arg in args)
-    return checkpoint(function, *args, use_reentrant=False)
+    return _checkpointed(function, *(None if isinstance(arg, caches) else arg for arg in args))
 
 
 def transformers_caches() -> tuple[type, ...]:
@@ -76,11 +114,16 @@ class _Autocast:
         self.dtype = dtype
         self.active: list[Any] = []  # one context per forward in flight (re-entrant calls)
 
+    # Run eagerly where the module is compiled after it was wrapped (`torch.compile(model)` as
+    # torch's DDP documents): dynamo tracing the context's `__enter__` never ran it, and the
+    # forward hook's `__exit__` then raised ("'autocast' object has no attribute 'prev'").
+    @torch.compiler.disable
     def enter(self, module: nn.Module, args: Any) -> None:
         context = torch.autocast(self.device_type, dtype=self.dtype)
         context.__enter__()
         self.active.append(context)
 
+    @torch.compiler.disable
     def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.active.pop().__exit__(None, None, None)
         return tree_map(_to_fp32, output)
