@@ -357,6 +357,15 @@ def compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
     return inner
 
 
+def compiled_runs_eagerly() -> Any:
+    """A context in which `torch.compile`d code runs eagerly, its frames never seen by dynamo.
+    Dynamo refuses a frame it meets under a torch dispatch mode (the planning's fake steps and
+    trace, the CPU trial's meter) and remembers that for the frame's code, for good: a
+    compiled model that autoshard ran so was never compiled again, in training either, nor
+    any other model of the same class (`torch.compiler.set_stance`)."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
     """The `num_samples` a RandomSampler was built with (None: the whole dataset)."""
     value: int | None = sampler._num_samples

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._batch import batch_for_meta, batch_rows, resized
+from autoshard._torch_compat import compiled_runs_eagerly
 from autoshard._world import Memory, RankReport, World, local_memory, own_group_note, spanning
 from autoshard.collective import agree
 from autoshard.decide.batch import Key, Largest, Probe, batch_for, largest_batches, with_batches
@@ -117,8 +118,10 @@ class _Gathered:
 
 def run(call: Call, target: Target) -> tuple[Decision, Work]:
     """Gather, agree, simulate, decide: the same decision on every rank of a job. What the
-    model's code cached in function caches on fake tensors meanwhile is forgotten."""
-    with caches_emptied(call.model):
+    model's code cached in function caches on fake tensors meanwhile is forgotten, and a
+    compiled model runs eagerly throughout, where dynamo could not compile it (every step runs
+    under a dispatch mode) and would have refused its code for good (`compiled_runs_eagerly`)."""
+    with caches_emptied(call.model), compiled_runs_eagerly():
         return _run(call, target)
 
 

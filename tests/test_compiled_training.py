@@ -1,9 +1,9 @@
-"""`torch.compile` and autoshard: a prepared model compiled afterwards (`torch.compile(model)`,
-as torch's DDP documents) trains, mixed precision and checkpointed blocks included, as the eager
-one does.
+"""`torch.compile` and autoshard: a compiled model handed to `plan`/`prepare` still compiles in
+training, and a prepared model compiled afterwards (`torch.compile(model)`, as torch's DDP
+documents) trains, mixed precision and checkpointed blocks included, as the eager one does.
 
-CPU only, no C++ compiler needed: AOTAutograd's `aot_eager` (what inductor builds on: where
-checkpointed blocks broke)."""
+CPU only, no C++ compiler needed: a backend that counts the graphs dynamo hands it, and
+AOTAutograd's `aot_eager` (what inductor builds on: where checkpointed blocks broke)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,47 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(ROWS, WIDTH)
 
 
+class _Counted:
+    """A dynamo backend that runs each graph as traced, counting them."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.graphs += 1
+        return graph.forward
+
+
 @pytest.fixture(autouse=True)
 def dynamo_reset() -> Any:
     """Each test's compiled code from scratch, and none left for the next test."""
     torch.compiler.reset()
     yield
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize("call", ["plan", "prepare"])
+def test_a_compiled_model_still_compiles_after_autoshard_ran_it(call: str) -> None:
+    """Dynamo refuses a frame it meets under a torch dispatch mode (every fake step of the
+    planning, the CPU trial's meter) and remembers the refusal for the frame's code for good:
+    the model autoshard had planned never compiled again (0 graphs in training), nor a fresh
+    model of its class."""
+    model, optimizer, batch = _built()
+    backend = _Counted()
+    compiled = torch.compile(model, backend=backend)
+    if call == "plan":
+        autoshard.plan(compiled, optimizer, batch, world_size=1, mixed_precision="no")
+    else:
+        compiled, optimizer, plan = autoshard.prepare(
+            compiled, optimizer, batch, strategy="local", mixed_precision="no"
+        )
+        assert plan.measured_peak_bytes is not None  # its trial step ran (eagerly, on CPU)
+    assert backend.graphs == 0  # nothing compiled under autoshard's modes
+    compiled(batch).backward()
+    assert backend.graphs >= 1
+    fresh = _Counted()
+    torch.compile(_Tower(), backend=fresh)(batch)
+    assert fresh.graphs >= 1
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])

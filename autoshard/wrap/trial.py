@@ -23,7 +23,11 @@ from torch import nn
 from torch.distributed import DistBackendError
 
 from autoshard._batch import batch_to, call_model, compute_loss
-from autoshard._torch_compat import clear_cublas_workspaces, fsdp_reset_iter_state
+from autoshard._torch_compat import (
+    clear_cublas_workspaces,
+    compiled_runs_eagerly,
+    fsdp_reset_iter_state,
+)
 from autoshard._units import human
 from autoshard.collective import (
     ERROR,
@@ -167,8 +171,10 @@ def _peak_meter(
         return
     meter = LiveBytes(held_tensors(wrapping.module, optimizer), batch)
     try:
-        # above the meter, whose mode would make backward formulas copy as for a subclass
-        with meter, PlainBranches():
+        # above the meter, whose mode would make backward formulas copy as for a subclass; a
+        # compiled model eagerly, as under the meter's mode it would run anyway, without dynamo
+        # refusing its code for the training after (`compiled_runs_eagerly`)
+        with compiled_runs_eagerly(), meter, PlainBranches():
             yield lambda: None
     finally:
         box[0] = meter.peak
