@@ -19,11 +19,13 @@ import autoshard
 WIDTH, BLOCKS, ROWS = 32, 4, 8
 
 
-class _Tower(nn.Module):
-    def __init__(self) -> None:
+class Tower(nn.Module):
+    """`blocks` of a linear layer and a tanh each."""
+
+    def __init__(self, width: int = WIDTH, blocks: int = BLOCKS) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)
+            nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +36,7 @@ class _Tower(nn.Module):
 
 def _built() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
-    model = _Tower()
+    model = Tower()
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(ROWS, WIDTH)
 
 
@@ -77,7 +79,7 @@ def test_a_compiled_model_still_compiles_after_autoshard_ran_it(call: str) -> No
     compiled(batch).backward()
     assert backend.graphs >= 1
     fresh = _Counted()
-    torch.compile(_Tower(), backend=fresh)(batch)
+    torch.compile(Tower(), backend=fresh)(batch)
     assert fresh.graphs >= 1
 
 

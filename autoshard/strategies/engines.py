@@ -6,6 +6,7 @@ what was applied; the simulation (`measure.simulate`) wraps its fake copy throug
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -69,10 +70,16 @@ def _checkpointed_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function` under torch's non-reentrant `checkpoint`."""
+    """`function` under torch's non-reentrant `checkpoint`; run eagerly, its recomputation lets
+    autocast's casts go (`_recomputed_casts_let_go`). Compiled, the graph casts explicitly and
+    keeps no cache, and dynamo takes no `context_fn` but dispatch modes."""
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling():
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    return checkpoint(
+        function, *args, use_reentrant=False, context_fn=_recomputed_casts_let_go, **kwargs
+    )
 
 
 def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
@@ -86,6 +93,23 @@ def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
     not be checkpointed)."""
     caches = transformers_caches()
     return _checkpointed(function, *(None if isinstance(arg, caches) else arg for arg in args))
+
+
+class _AutocastCacheCleared(contextlib.AbstractContextManager[None]):
+    """Clears autocast's cache of parameters' casts as it exits, raised through or not."""
+
+    def __exit__(self, *exc: object) -> None:
+        torch.clear_autocast_cache()
+
+
+def _recomputed_casts_let_go() -> tuple[Any, Any]:
+    """A checkpointed block's contexts (`context_fn`): none around its forward; around its
+    recomputation in backward, one that lets autocast's casts of its parameters go as it ends.
+    The recomputation runs under autocast as the forward did, and leaving that autocast clears
+    the cache only where it is the outermost: inside the user's own `torch.autocast` around
+    backward, every recomputed block's cast parameters stayed cached to the end of backward,
+    beside every gradient (the `_Autocast` hooks clear the forward's as the model returns)."""
+    return contextlib.nullcontext(), _AutocastCacheCleared()
 
 
 def transformers_caches() -> tuple[type, ...]:
@@ -126,6 +150,15 @@ class _Autocast:
     @torch.compiler.disable
     def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.active.pop().__exit__(None, None, None)
+        if not self.active:
+            # Leaving the outermost autocast clears its cache of parameters' casts; inside the
+            # user's own `torch.autocast` this exit is not the outermost, and the cache would
+            # keep a cast copy of every trained parameter alive until the user's exits: through
+            # the loss, and through backward where it runs inside, beside every gradient. The
+            # plan counts each copy only while autograd saves it (as after the outermost exit).
+            # Clearing keeps the values (a later forward casts again), and frees nothing
+            # autograd still holds.
+            torch.clear_autocast_cache()
         return tree_map(_to_fp32, output)
 
 
