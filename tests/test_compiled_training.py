@@ -8,10 +8,12 @@ AOTAutograd's `aot_eager` (what inductor builds on: where checkpointed blocks br
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _dist import launch
 from torch import nn
 
 import autoshard
@@ -34,7 +36,7 @@ class Tower(nn.Module):
         return x.square().mean()
 
 
-def _built() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+def built() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     torch.manual_seed(0)
     model = Tower()
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(ROWS, WIDTH)
@@ -51,6 +53,28 @@ class _Counted:
         return graph.forward
 
 
+def prepared_and_trained(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    compile_it: bool,
+    **options: Any,
+) -> list[float]:
+    """The losses of three steps of `model` prepared with `options` (every block checkpointed
+    where they ask for it), compiled afterwards with `compile_it`."""
+    model, optimizer, plan = autoshard.prepare(model, optimizer, batch, **options)
+    assert plan.activation_checkpointing == (BLOCKS if options["activation_checkpointing"] else 0)
+    run = torch.compile(model, backend="aot_eager") if compile_it else model
+    losses = []
+    for _ in range(3):
+        loss = run(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(autouse=True)
 def dynamo_reset() -> Any:
     """Each test's compiled code from scratch, and none left for the next test."""
@@ -65,7 +89,7 @@ def test_a_compiled_model_still_compiles_after_autoshard_ran_it(call: str) -> No
     planning, the CPU trial's meter) and remembers the refusal for the frame's code for good:
     the model autoshard had planned never compiled again (0 graphs in training), nor a fresh
     model of its class."""
-    model, optimizer, batch = _built()
+    model, optimizer, batch = built()
     backend = _Counted()
     compiled = torch.compile(model, backend=backend)
     if call == "plan":
@@ -96,20 +120,11 @@ def test_a_prepared_model_compiled_afterwards_trains_as_the_eager_one(
     model trained eagerly."""
     trained = []
     for compile_it in (False, True):
-        model, optimizer, batch = _built()
-        model, optimizer, plan = autoshard.prepare(
-            model, optimizer, batch, strategy="local", mixed_precision=precision,
+        model, optimizer, batch = built()
+        losses = prepared_and_trained(
+            model, optimizer, batch, compile_it, strategy="local", mixed_precision=precision,
             activation_checkpointing=checkpointed,
         )  # fmt: skip
-        assert plan.activation_checkpointing == (BLOCKS if checkpointed else 0)
-        run = torch.compile(model, backend="aot_eager") if compile_it else model
-        losses = []
-        for _ in range(3):
-            loss = run(batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
         trained.append((losses, copy.deepcopy(model.state_dict())))
     (eager_losses, eager_state), (losses, state) = trained
     # equal here; the tolerance leaves room for a decomposition's rounding, far below what
@@ -117,3 +132,16 @@ def test_a_prepared_model_compiled_afterwards_trains_as_the_eager_one(
     assert losses == pytest.approx(eager_losses, rel=1e-5, abs=0)
     for name, value in eager_state.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_prepared_model_compiled_afterwards_trains_on_two_ranks(tmp_path: Path) -> None:
+    """DDP (compiled through its DDPOptimizer) and FSDP2 FULL_SHARD, bf16, every block
+    checkpointed, on 2 gloo ranks: the compiled model's losses are the eager one's."""
+    run = launch("compiled", tmp_path)
+    for strategy in ("ddp", "full_shard"):
+        for losses in run.case(strategy):
+            assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5, abs=0), (
+                strategy,
+                losses,
+            )
