@@ -435,7 +435,7 @@ def test_a_change_only_checkpointed_runs_see_is_caught_too(
     and the worker makes their other depths; the checkpointed ones differ, and are made here."""
     import autoshard.strategies.engines as engines
 
-    monkeypatch.setattr(engines, "_checkpointed_forward", lambda module: module.forward)
+    monkeypatch.setattr(engines, "checkpoint_block", lambda module: None)
     _caught(MLP(width=32, depth=16), 4, monkeypatch)
 
 

@@ -115,3 +115,42 @@ def test_a_transformers_layer_s_recomputation_lets_its_casts_go() -> None:
     theirs = _loop_peak(*prepared(), loss_of, users_autocast=True)
     plain = _loop_peak(*prepared(), loss_of, users_autocast=False)
     assert theirs == plain, (theirs, plain)
+
+
+def test_a_prepared_model_inside_another_s_forward_leaves_the_outer_casts_cached() -> None:
+    """The cache is cleared as the outermost prepared model returns, not as one called inside
+    another's forward does: the outer model's weight, used before and after the inner call, is
+    cast once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.strategies.engines import autocast_hooks
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    class Outer(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.layer = nn.Linear(WIDTH, WIDTH)
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(self.inner(self.layer(x)))
+
+    inner = nn.Linear(WIDTH, WIDTH)
+    outer = Outer(inner)
+    for model in (inner, outer):
+        autocast_hooks(model, "cpu", torch.bfloat16)
+    x = torch.randn(2, WIDTH)
+    with Casts() as casts:
+        outer(x)
+    # x and the outer layer's weight and bias (3), the inner's weight and bias (2), the inner's
+    # output to fp32 and back to bf16 for the outer layer (2), the outer output to fp32 (1): 8;
+    # with the outer's casts cleared as the inner returns, its weight and bias again: 10
+    assert casts.count == 8, casts.count

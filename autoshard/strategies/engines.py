@@ -7,9 +7,8 @@ what was applied; the simulation (`measure.simulate`) wraps its fake copy throug
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,43 +29,49 @@ def checkpoint_block(module: nn.Module) -> None:
     recomputation would make it save other tensors than the forward did (T5, Whisper:
     "CheckpointError: ... A different number of tensors was saved"), a cache passed by position
     too (`_checkpointed_without_cache`). Anything else gets its forward run inside torch's
-    non-reentrant `checkpoint` (`_checkpointed_forward`): the module tree and parameter names
+    non-reentrant `checkpoint` (`CheckpointedForward`): the module tree and parameter names
     stay as they are."""
     if is_transformers_layer(module):
         setattr(module, "gradient_checkpointing", True)  # noqa: B010 - not a module attribute
         setattr(module, "_gradient_checkpointing_func", _checkpointed_without_cache)  # noqa: B010
         return
-    module.forward = _checkpointed_forward(module)  # type: ignore[method-assign]
+    if not isinstance(vars(module).get("forward"), CheckpointedForward):  # not twice
+        module.forward = CheckpointedForward(module)  # type: ignore[method-assign]
 
 
-def _checkpointed_forward(module: nn.Module) -> Callable[..., Any]:
-    """`module`'s forward run inside torch's non-reentrant `checkpoint`, as a method of it (a
-    deep copy of the module, an EMA copy say, gets its own; nothing holds the module besides).
-    The forward is the class's unless the module has its own (then that one, rebound to a copy
-    where it was a method of the module). Not torch's composable, hook-based `checkpoint`:
-    from torch 2.13 a compiled model (`torch.compile`, AOTAutograd's backends, inductor among
-    them) with such blocks raised "CheckpointError: ... Recomputed values for the following
-    tensors have different metadata" in its backward; dynamo compiles a `checkpoint` call."""
-    own = vars(module).get("forward")
-    method = getattr(own, "__func__", None) if getattr(own, "__self__", None) is module else None
-    if own is None:
+class CheckpointedForward:
+    """A block's forward run inside torch's non-reentrant `checkpoint`, set as the block's own
+    `forward`: the class's, or the one the block already had (a method of it is called as the
+    same function of whichever block holds this). An object, not a closure, so that a deep copy
+    of the block (an EMA copy, say) copies it with the block and runs the copy's own
+    parameters, and a pickled block keeps its checkpointing. Not torch's composable,
+    hook-based `checkpoint`: from torch 2.13 a compiled model (`torch.compile`, AOTAutograd's
+    backends, inductor among them) with such blocks raised "CheckpointError: ... Recomputed
+    values for the following tensors have different metadata" in its backward; dynamo compiles
+    a `checkpoint` call. The block's own hooks run once, around it, not again in the
+    recomputation."""
 
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return _checkpointed(type(self).forward.__get__(self), *args, **kwargs)
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        own = vars(module).get("forward")
+        bound = getattr(own, "__self__", None) is module
+        # the function of a method of the block; else the block's own callable, or None
+        self.function: Callable[..., Any] | None = own.__func__ if bound else None  # type: ignore[union-attr]
+        self.own: Callable[..., Any] | None = None if bound else own
 
-        functools.update_wrapper(forward, type(module).forward)
-    elif method is not None:
+    def _target(self) -> Callable[..., Any]:
+        if self.function is not None:
+            return self.function.__get__(self.module)  # type: ignore[no-any-return]
+        if self.own is not None:
+            return self.own
+        return type(self.module).forward.__get__(self.module)  # type: ignore[no-any-return]
 
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return _checkpointed(method.__get__(self), *args, **kwargs)
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._target())
 
-        functools.update_wrapper(forward, method)
-    else:
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return _checkpointed(own, *args, **kwargs)
-
-    return types.MethodType(forward, module)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpointed(self._target(), *args, **kwargs)
 
 
 def _checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -133,6 +138,10 @@ class _Autocast:
     accelerate does), so a loss computed outside the model keeps full precision. Hooks rather
     than a patched `forward`: the module still deep-copies (EMA, eval copies) and pickles."""
 
+    # forwards in flight under any model's hooks: a prepared model inside another's forward
+    # leaves its casts to the outer one's exit
+    in_flight = 0
+
     def __init__(self, device_type: str, dtype: torch.dtype) -> None:
         self.device_type = device_type
         self.dtype = dtype
@@ -146,11 +155,13 @@ class _Autocast:
         context = torch.autocast(self.device_type, dtype=self.dtype)
         context.__enter__()
         self.active.append(context)
+        _Autocast.in_flight += 1
 
     @torch.compiler.disable
     def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
         self.active.pop().__exit__(None, None, None)
-        if not self.active:
+        _Autocast.in_flight -= 1
+        if not _Autocast.in_flight:
             # Leaving the outermost autocast clears its cache of parameters' casts; inside the
             # user's own `torch.autocast` this exit is not the outermost, and the cache would
             # keep a cast copy of every trained parameter alive until the user's exits: through

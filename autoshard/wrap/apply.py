@@ -3,8 +3,9 @@ checkpointed blocks) the first time and for each of the trial's fallbacks, readi
 the strategy's recipe (`strategies.recipes`) and calling its engine (`strategies.engines`), in a
 fixed order, as torchtitan does:
 
-1. activation checkpointing on the first k blocks (composable `checkpoint`: hooks, no change to
-   the module tree or parameter names, and more blocks can be checkpointed later in place);
+1. activation checkpointing on the first k blocks (each block's forward run inside
+   `torch.utils.checkpoint`, `engines.checkpoint_block`: no change to the module tree or
+   parameter names, and more blocks can be checkpointed later in place);
 2. one of: FSDP2 `fully_shard` per block, then the root (each call moves only that unit to the
    device, so the unsharded model never sits on the GPU whole) | the model moved to the device,
    then DDP or nothing (one process); mixed precision is FSDP2's `MixedPrecisionPolicy` under
