@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from autoshard._torch_compat import is_batch_norm, tree_map
 from autoshard._world import World
@@ -78,8 +79,6 @@ def _checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     """`function` under torch's non-reentrant `checkpoint`; run eagerly, its recomputation lets
     autocast's casts go (`_recomputed_casts_let_go`). Compiled, the graph casts explicitly and
     keeps no cache, and dynamo takes no `context_fn` but dispatch modes."""
-    from torch.utils.checkpoint import checkpoint
-
     if torch.compiler.is_compiling():
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
     return checkpoint(
@@ -100,13 +99,6 @@ def _checkpointed_without_cache(function: Any, *args: Any) -> Any:
     return _checkpointed(function, *(None if isinstance(arg, caches) else arg for arg in args))
 
 
-class _AutocastCacheCleared(contextlib.AbstractContextManager[None]):
-    """Clears autocast's cache of parameters' casts as it exits, raised through or not."""
-
-    def __exit__(self, *exc: object) -> None:
-        torch.clear_autocast_cache()
-
-
 def _recomputed_casts_let_go() -> tuple[Any, Any]:
     """A checkpointed block's contexts (`context_fn`): none around its forward; around its
     recomputation in backward, one that lets autocast's casts of its parameters go as it ends.
@@ -114,7 +106,9 @@ def _recomputed_casts_let_go() -> tuple[Any, Any]:
     the cache only where it is the outermost: inside the user's own `torch.autocast` around
     backward, every recomputed block's cast parameters stayed cached to the end of backward,
     beside every gradient (the `_Autocast` hooks clear the forward's as the model returns)."""
-    return contextlib.nullcontext(), _AutocastCacheCleared()
+    recomputation = contextlib.ExitStack()
+    recomputation.callback(torch.clear_autocast_cache)  # as it exits, raised through or not
+    return contextlib.nullcontext(), recomputation
 
 
 def transformers_caches() -> tuple[type, ...]:
