@@ -296,6 +296,87 @@ def test_one_measured_step_equals_a_warm_up_step_then_one(
         assert one[strategy].backward.optimizer_state > 0
 
 
+class _Embedded(nn.Module):
+    """An embedding and two blocks whose weights outweigh it, so that the step's peak is in the
+    group of decayed weights, ahead of the group holding the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 64)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)
+        )
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).sum()
+
+
+def _two_groups(model: nn.Module) -> list[dict[str, object]]:
+    """The weight-decay split many recipes make: decayed matrices first, then the embedding,
+    biases and norms without decay."""
+    named = list(model.named_parameters())
+    decayed = [p for n, p in named if p.ndim == 2 and "embed" not in n]
+    rest = [p for n, p in named if p.ndim < 2 or "embed" in n]
+    return [{"params": decayed, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+# optimizer factory, whether it takes the two groups
+_STEADY = {
+    "adamw one group, loop": (lambda g: torch.optim.AdamW(g, foreach=False), False),
+    "adamw two groups, loop": (lambda g: torch.optim.AdamW(g, foreach=False), True),
+    "adamw two groups, foreach": (lambda g: torch.optim.AdamW(g, foreach=True), True),
+    "adam two groups, fused": (lambda g: torch.optim.Adam(g, fused=True), True),
+    "sgd momentum, loop": (
+        lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, foreach=False),
+        False,
+    ),
+    "sgd nesterov, loop": (
+        lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9, nesterov=True, foreach=False),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STEADY))
+def test_the_simulated_step_is_a_steady_one(name: str) -> None:
+    """The simulated step's optimizer state and intermediates are those of a steady step, as
+    torch's tracker counts a real one on real tensors (the third step), whatever the optimizer's
+    groups: a first step runs its earlier groups without the later groups' state (AdamW's
+    usual decay split read the embedding's state less), and SGD makes its momentum buffers
+    parameter by parameter (Nesterov's intermediate read 23% of a steady step's)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    make, split = _STEADY[name]
+    torch.manual_seed(0)
+    model = _Embedded()
+    optimizer = make(_two_groups(model) if split else model.parameters())
+    batch = torch.randint(128, (4, 16))
+    names = ["blocks.0", "blocks.1"]
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, batch, None, optimizer, None, torch.device("cpu"))
+    step = combine(simulate_all(model, setup, (Strategy.LOCAL,), stats, 1)[0])[Strategy.LOCAL].step
+    for _ in range(3):
+        model(batch).backward()
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            before = total(tracker, "current")
+            optimizer.step()
+            peak = total(tracker, "peak")
+        optimizer.zero_grad(set_to_none=True)
+    state = sum(
+        t.untyped_storage().nbytes()
+        for per_param in optimizer.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    assert (step.optimizer_state, step.temporaries) == (state, peak - before)
+
+
 def test_checkpointed_runs_carry_the_unchecked_state() -> None:
     """A checkpointed run is forward and backward only; `combine` adds the unchecked run's
     optimizer state, which checkpointing does not change."""

@@ -43,10 +43,22 @@ def autograd_on() -> Iterator[None]:
         yield
 
 
-# Optimizers whose step creates all of its state before any arithmetic (`_init_group`), so that
-# a first step's peak is a steady step's: the measured step may be the first. Any other optimizer
-# takes one unmeasured step first.
-_STATE_FIRST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# Optimizers whose step creates a group's state before its arithmetic (`_init_group`), so that
+# the first step of an optimizer with one group of trained parameters peaks as a steady step
+# does: the measured step may be the first (`_state_first`). SGD is not one: its momentum buffer
+# is made inside the loop, parameter by parameter.
+_STATE_FIRST = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _state_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the first step's peak is a steady step's: the exact class (a subclass may
+    override `step`) and one group with trained parameters. Groups step one after another, each
+    creating its state as it starts, so a first step's earlier groups run without the later
+    groups' state: AdamW's usual two groups (decayed weights first, then biases and norms) read
+    the later group's state less than a steady step (a group of embeddings without decay after
+    the weights: twice the embeddings' bytes)."""
+    trained = [g for g in optimizer.param_groups if any(p.requires_grad for p in g["params"])]
+    return type(optimizer) in _STATE_FIRST and len(trained) <= 1
 
 
 def tracked_step(
@@ -64,9 +76,10 @@ def tracked_step(
     read; else its peak).
 
     The optimizer state is alive and unchanged through forward and backward, so it adds to
-    that peak without moving it: for the optimizers in `_STATE_FIRST` the one measured step
-    creates it, and it is added to the forward/backward peak afterwards. Any other optimizer first
-    takes an unmeasured step from zero gradients (which allocates what a full first step would).
+    that peak without moving it: where a first step peaks as a steady one does (`_state_first`)
+    the one measured step creates it, and it is added to the forward/backward peak afterwards.
+    Any other optimizer first takes an unmeasured step from zero gradients (which allocates what
+    a full first step would).
     With every block checkpointed (`setup.checkpoint_all`) only forward and backward run: the
     step is the unchecked simulation's, and the caller adds its state (`with_state`).
 
@@ -80,8 +93,7 @@ def tracked_step(
     if not recipe(strategy).sharded and setup.dtype is not None:
         autocast_hooks(model, setup.device.type, setup.dtype)
     in_place = strategy == Strategy.DDP  # DDP's buckets: every gradient lives from construction
-    # the exact classes: a subclass may override step()
-    stepped = not setup.checkpoint_all and type(optimizer) not in _STATE_FIRST
+    stepped = not setup.checkpoint_all and not _state_first(optimizer)
     if stepped:
         _first_step(model, optimizer, keep_grads=in_place)
     elif in_place:
