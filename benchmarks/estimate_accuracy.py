@@ -270,7 +270,7 @@ class Config(NamedTuple):
     model: str
     strategy: str
     mp: str  # mixed precision requested
-    ac: bool  # every block checkpointed
+    ac: bool | int  # every block checkpointed (True), none (False), or the first k
     optimizer: str = "default"  # the step's implementation (`OPTIMIZER_IMPLEMENTATIONS`)
 
 
@@ -587,7 +587,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="default",
         help="comma-separated step implementations: default (the device's), loop, foreach, fused",
     )
-    p.add_argument("--ac", default="off,on", help="activation checkpointing: off, on (all blocks)")
+    p.add_argument(
+        "--ac",
+        default="off,on",
+        help="activation checkpointing, comma-separated: off, on (all blocks), or a number of "
+        "blocks (the first k; more than the model has is refused by prepare)",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: per model)")
     p.add_argument(
         "--warmup",
@@ -662,9 +667,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"unknown optimizer implementation {implementation!r}; choose from "
                 f"{', '.join(OPTIMIZER_IMPLEMENTATIONS)}"
             )
-    if not set(args.ac.split(",")) <= {"off", "on"}:
-        p.error("--ac takes off, on or off,on")
+    for ac in args.ac.split(","):
+        if ac not in ("off", "on") and not (ac.isdigit() and int(ac) > 0):
+            p.error(
+                f"--ac takes off, on or a positive number of blocks (comma-separated), not {ac!r}"
+            )
     return args
+
+
+def _checkpointing(ac: str) -> bool | int:
+    """`--ac`'s value as `prepare` takes it."""
+    return {"off": False, "on": True}[ac] if ac in ("off", "on") else int(ac)
 
 
 def launch_each(args: argparse.Namespace, argv: list[str]) -> int:
@@ -718,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             args.models.split(","),
             args.strategies.split(","),
             args.mixed_precision.split(","),
-            [a == "on" for a in args.ac.split(",")],
+            [_checkpointing(a) for a in args.ac.split(",")],
             args.optimizer.split(","),
         ),
     )

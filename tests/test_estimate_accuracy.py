@@ -115,6 +115,19 @@ def test_allocator_peak_matches_memtracker_on_a_plain_module() -> None:
     assert live.missed_frees == (0, 0)  # one thread: every free is reported
 
 
+def test_checkpointing_takes_a_number_of_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--ac off,on,2`: none, every block, or the first k blocks checkpointed, as `prepare`'s
+    `activation_checkpointing` takes them; anything else is refused."""
+    import estimate_accuracy
+
+    args = estimate_accuracy.parse_args(["--ac", "off,on,2"])
+    assert [estimate_accuracy._checkpointing(a) for a in args.ac.split(",")] == [False, True, 2]
+    for bad in ("0", "all", "-1", "on,1.5"):
+        with pytest.raises(SystemExit):
+            estimate_accuracy.parse_args(["--ac", bad])
+        assert "--ac takes" in capsys.readouterr().err, bad
+
+
 def test_a_zoo_file_of_the_users_own_is_run_as_the_external_zoo_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
