@@ -172,6 +172,24 @@ def test_checkpointed_blocks_keep_autocast_s_copies_through_the_forward(
     assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
 
 
+def _adagrad() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Net()
+    return model, torch.optim.Adagrad(model.parameters())
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_every_block_checkpointed_counts_an_optimizer_s_built_state_once(
+    mixed_precision: str,
+) -> None:
+    """Adagrad's state exists from its construction, in the simulation's checkpointed run too;
+    that run's state was counted beside the unchecked run's."""
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else None
+    real = _real_peak(_adagrad, _batch, BLOCKS, dtype)
+    estimate = _estimate(_adagrad, _batch(), BLOCKS, mixed_precision)
+    assert real <= estimate <= real * (1 + WORST_TARGET), (estimate, real)
+
+
 def test_a_deep_model_s_forward_peak_is_extended_from_shallow_copies() -> None:
     """Sixteen blocks (`layout.MIN_DEPTH_TO_EXTEND`) are simulated at 3, 4 and 5 and extended
     moment by moment: the forward's peak too (`Simulated.forward`), which 5 of them

@@ -377,6 +377,34 @@ def test_the_simulated_step_is_a_steady_one(name: str) -> None:
     assert (step.optimizer_state, step.temporaries) == (state, peak - before)
 
 
+def test_state_made_as_the_optimizer_is_built_counts_once_checkpointed() -> None:
+    """Adagrad makes its sums as it is built, so the run with every block checkpointed, which
+    takes no step, holds them already: combined with the unchecked run, every moment's state is
+    that run's, not twice it (a small pyramid of four blocks read +19% over checkpointed)."""
+    torch.manual_seed(0)
+    model = _Embedded()
+    optimizer = torch.optim.Adagrad(model.parameters())
+    built = sum(
+        t.untyped_storage().nbytes()
+        for per_param in optimizer.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    assert built > 0
+    names = ["blocks.0", "blocks.1"]
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, torch.randint(128, (4, 16)), None, optimizer, None, torch.device("cpu"))
+    runs, _ = simulate_all(
+        model, setup, (Strategy.LOCAL,), stats, 1, checkpointed=(Strategy.LOCAL,)
+    )
+    assert runs[Strategy.LOCAL, True].backward.optimizer_state == built  # no step ran
+    sim = combine(runs)[Strategy.LOCAL]
+    assert sim.backward.optimizer_state == built
+    assert sim.checkpointed_backward is not None
+    assert sim.checkpointed_backward.optimizer_state == built
+    assert {p.optimizer_state for p in sim.checkpointed_peaks} == {built}
+
+
 def test_checkpointed_runs_carry_the_unchecked_state() -> None:
     """A checkpointed run is forward and backward only; `combine` adds the unchecked run's
     optimizer state, which checkpointing does not change."""

@@ -75,7 +75,6 @@ from autoshard.measure.step import (
     peaks,
     total,
     tracked_step,
-    with_state,
 )
 from autoshard.measure.workspace import unmeasured_note
 from autoshard.strategies.engines import shard_module
@@ -561,26 +560,27 @@ class Tally:
 
 def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
     """Each strategy's unchecked simulation, with the forward/backward peak (and the moment with
-    the most bytes besides gradients) of its checkpointed one where that ran too (which leaves
-    out the optimizer state: the unchecked one's is added)."""
+    the most bytes besides gradients) of its checkpointed one where that ran too, its optimizer
+    state the unchecked one's: a checkpointed run takes no step, so it holds only the state an
+    optimizer makes as it is built (Adagrad's sums: all of it, which was counted twice)."""
 
-    def with_plain_state(phase: Phase | None, plain: Simulated) -> Phase | None:
-        return None if phase is None else with_state(phase, plain.backward.optimizer_state)
+    def with_plain_state(phase: Phase, plain: Simulated) -> Phase:
+        return replace(phase, optimizer_state=plain.backward.optimizer_state)
+
+    def checkpointed(plain: Simulated, run: Simulated) -> Simulated:
+        return replace(
+            plain,
+            checkpointed_backward=with_plain_state(run.backward, plain),
+            checkpointed_accumulating=(
+                None if run.accumulating is None else with_plain_state(run.accumulating, plain)
+            ),
+            checkpointed_peaks=tuple(with_plain_state(phase, plain) for phase in run.peaks),
+        )
 
     return {
-        strategy: replace(
-            plain,
-            checkpointed_backward=with_plain_state(runs[strategy, True].backward, plain),
-            checkpointed_accumulating=with_plain_state(runs[strategy, True].accumulating, plain),
-            checkpointed_peaks=tuple(
-                with_state(phase, plain.backward.optimizer_state)
-                for phase in runs[strategy, True].peaks
-            ),
-        )
-        if (strategy, True) in runs
-        else plain
-        for (strategy, checkpointed), plain in runs.items()
-        if not checkpointed
+        strategy: checkpointed(plain, runs[strategy, True]) if (strategy, True) in runs else plain
+        for (strategy, checkpointed_run), plain in runs.items()
+        if not checkpointed_run
     }
 
 

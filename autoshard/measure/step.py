@@ -81,7 +81,7 @@ def tracked_step(
     Any other optimizer first takes an unmeasured step from zero gradients (which allocates what
     a full first step would).
     With every block checkpointed (`setup.checkpoint_all`) only forward and backward run: the
-    step is the unchecked simulation's, and the caller adds its state (`with_state`).
+    step is the unchecked simulation's, and the caller takes that run's state (`simulate.combine`).
 
     A loop keeps the output until the next one replaces it (`outputs = model(**batch)` of the
     next step or micro-batch): what it holds after backward is alive through the next forward
