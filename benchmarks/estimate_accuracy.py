@@ -300,6 +300,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
     with AllocatorProfile(record_uses=args.last_use) as prof:
         built = build(name, args, device, implementation)
         out["params"] = zoo.parameter_count(built.model)
+        out["optimizer_class"] = type(built.optimizer).__name__
         out["per_rank_batch"] = tensors_in(built.batch)[0].shape[0]
         started = time.perf_counter()
         prepared = autoshard.prepare(
@@ -418,6 +419,7 @@ def run_config(config: Config, args: argparse.Namespace, device: torch.device) -
     row.update(
         {
             "params": first["params"],
+            "optimizer_class": first["optimizer_class"],
             "per_rank_batch": first["per_rank_batch"],
             "plan": first["plan"],
             "mixed_precision": first["plan"]["mixed_precision"],
@@ -505,7 +507,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "worst_abs_error": abs(worst["error"]) if worst else None,
         "worst": (
             f"{worst['model']} world {worst['world_size']} {worst['strategy']} "
-            f"AdamW {worst.get('optimizer', 'default')} mp {worst['mixed_precision']} "
+            f"{worst.get('optimizer_class', 'AdamW')} {worst.get('optimizer', 'default')} "
+            f"mp {worst['mixed_precision']} "
             f"AC {worst['checkpointed']}/{worst['num_blocks']}"
             if worst
             else None

@@ -34,6 +34,7 @@ MODELS = ("gpt", "mlp", "resnet")
 
 ROW_FIELDS = {
     "model",
+    "optimizer_class",
     "world_size",
     "strategy",
     "mixed_precision",
@@ -248,6 +249,11 @@ def test_stdout_has_the_table_and_the_summary(result: dict) -> None:
     assert "| model | world | strategy | optimizer | mp | AC | predicted MiB |" in result["stdout"]
     assert "median |error|" in result["stdout"] and "worst |error|" in result["stdout"]
     assert {"median_abs_error", "worst_abs_error"} <= result["summary"].keys()
+    worst = max(result["rows"], key=lambda r: abs(r["error"]))
+    assert (
+        f"{worst['model']} world 2 {worst['strategy']} {worst['optimizer_class']} "
+        in (result["summary"]["worst"])
+    )
 
 
 @pytest.mark.dist
