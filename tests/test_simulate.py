@@ -324,6 +324,16 @@ def _two_groups(model: nn.Module) -> list[dict[str, object]]:
     return [{"params": decayed, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of every tensor in the optimizer's state."""
+    return sum(
+        t.untyped_storage().nbytes()
+        for per_param in optimizer.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
 # optimizer factory, whether it takes the two groups
 _STEADY = {
     "adamw one group, loop": (lambda g: torch.optim.AdamW(g, foreach=False), False),
@@ -368,12 +378,7 @@ def test_the_simulated_step_is_a_steady_one(name: str) -> None:
             optimizer.step()
             peak = total(tracker, "peak")
         optimizer.zero_grad(set_to_none=True)
-    state = sum(
-        t.untyped_storage().nbytes()
-        for per_param in optimizer.state.values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    )
+    state = _state_bytes(optimizer)
     assert (step.optimizer_state, step.temporaries) == (state, peak - before)
 
 
@@ -384,12 +389,7 @@ def test_state_made_as_the_optimizer_is_built_counts_once_checkpointed() -> None
     torch.manual_seed(0)
     model = _Embedded()
     optimizer = torch.optim.Adagrad(model.parameters())
-    built = sum(
-        t.untyped_storage().nbytes()
-        for per_param in optimizer.state.values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    )
+    built = _state_bytes(optimizer)
     assert built > 0
     names = ["blocks.0", "blocks.1"]
     stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)

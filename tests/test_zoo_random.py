@@ -60,12 +60,9 @@ def test_the_draws_cover_what_the_docstring_promises() -> None:
 
 
 def test_two_groups_put_the_embedding_after_the_decayed_weights() -> None:
+    draws = {s: zoo_random.draw(s) for s in range(zoo_random.SEEDS)}
     seed = next(
-        s
-        for s in range(zoo_random.SEEDS)
-        if zoo_random.draw(s)["two_groups"]
-        and zoo_random.draw(s)["tokens"]
-        and not zoo_random.draw(s)["frozen_first"]
+        s for s, d in draws.items() if d["two_groups"] and d["tokens"] and not d["frozen_first"]
     )
     built = zoo_random.build(f"r{seed}")
     decayed, rest = built.optimizer.param_groups
