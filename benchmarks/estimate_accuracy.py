@@ -11,7 +11,9 @@ built again and `autoshard.prepare(...)` wraps it (with its trial step unless `-
 trial's measured peak is reported beside the figures), `--warmup` unmeasured steps run (default
 0) and `--steps` K measured steps (default 3: the first step after prepare counts), each
 `loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)` with the model's output held
-through it and into the next step's forward, as a user's loop holds it. On each rank:
+through it and into the next step's forward, as a user's loop holds it (`--accumulation M`: M
+micro-batches per step, gradient sync off for all but the last; plan and prepare told). On each
+rank:
 
 - allocator peak (the figure compared): on CPU, torch's profiler with `profile_memory=True`,
   started before the model is built, so that its running total of allocator bytes counts
@@ -75,6 +77,7 @@ import zoo_external  # noqa: E402
 from _live_bytes import AllocatorProfile  # noqa: E402
 
 from autoshard._batch import call_model, tensors_in  # noqa: E402
+from autoshard.wrap.apply import gradient_sync  # noqa: E402
 
 STRATEGIES = ("ddp", "shard_grad_op", "full_shard")
 MEDIAN_TARGET = 0.03
@@ -92,17 +95,28 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def train_step(
-    prepared: autoshard.Prepared, built: zoo.ZooModel, prof: AllocatorProfile, held: list[Any]
+    prepared: autoshard.Prepared,
+    built: zoo.ZooModel,
+    prof: AllocatorProfile,
+    held: list[Any],
+    micro_batches: int = 1,
 ) -> None:
     """One steady-state step, each phase a labelled window (to say where the peak falls), the
     output held through backward and the optimizer step as a user's loop holds it, and in
-    `held` (a list of one item) until the next step's forward returns its own."""
+    `held` (a list of one item) until the next forward returns its own. With `micro_batches`
+    above 1 the step accumulates the gradients of that many forwards and backwards of the batch,
+    gradient sync off for all but the last, as a user's loop does it (DDP's `no_sync()`,
+    FSDP2's `set_requires_gradient_sync(False)`)."""
     model, optimizer, _ = prepared
-    with prof.window("forward"):
-        held[0] = call_model(model, built.batch)
-        loss = built.loss_fn(held[0], built.batch)
-    with prof.window("backward"):
-        (loss if prepared.scaler is None else prepared.scaler.scale(loss)).backward()
+    for micro in range(micro_batches):
+        # DDP decides in its forward whether the backward syncs: both inside
+        with gradient_sync(model, micro == micro_batches - 1):
+            with prof.window("forward"):
+                held[0] = call_model(model, built.batch)
+                loss = built.loss_fn(held[0], built.batch)
+                loss = loss / micro_batches if micro_batches > 1 else loss
+            with prof.window("backward"):
+                (loss if prepared.scaler is None else prepared.scaler.scale(loss)).backward()
     with prof.window("optimizer"):
         if prepared.scaler is None:
             optimizer.step()
@@ -292,7 +306,12 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
     built = build(name, args, device, implementation)
     # The estimate compared: a plan() made before and outside the profile, as a user makes it.
     outside = autoshard.plan(
-        built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **choice
+        built.model,
+        built.optimizer,
+        built.batch,
+        loss_fn=built.loss_fn,
+        accumulation_steps=args.accumulation,
+        **choice,
     )
     out.update(plan_figures(outside))
     del built
@@ -309,6 +328,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
             built.batch,
             loss_fn=built.loss_fn,
             trial_step=args.trial,
+            accumulation_steps=args.accumulation,
             **choice,
         )
         out["prepare_s"] = time.perf_counter() - started
@@ -318,7 +338,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
         out["trial_reasons"] = [r for r in prepared.plan.reasons if "trial" in r.lower()]
         held: list[Any] = [None]
         for _ in range(args.warmup):
-            train_step(prepared, built, prof, held)
+            train_step(prepared, built, prof, held, args.accumulation)
         tracker = make_tracker(prepared, built.batch) if args.tracker else NoTracker()
         times = []
         with prof.window(MEASURED), tracker:
@@ -326,7 +346,7 @@ def measure(config: Config, args: argparse.Namespace, device: torch.device) -> d
                 cuda.start()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                train_step(prepared, built, prof, held)
+                train_step(prepared, built, prof, held, args.accumulation)
                 times.append(time.perf_counter() - t0)
                 tracker.reset_mod_stats()  # its per-module stats refuse a second iteration
             if cuda:
@@ -399,6 +419,7 @@ def run_config(config: Config, args: argparse.Namespace, device: torch.device) -
         "strategy": config.strategy,
         "mixed_precision_requested": config.mp,
         "activation_checkpointing_requested": config.ac,
+        "accumulation_steps": args.accumulation,
         "attempts": attempts,
         "error_message": next((r["error"] for r in ranks if "error" in r), None),
     }
@@ -605,6 +626,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=3, help="measured steps (K)")
     p.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        metavar="M",
+        help="micro-batches per optimizer step (gradient accumulation; the plan and prepare are "
+        "told: accumulation_steps=M)",
+    )
+    p.add_argument(
         "--no-trial",
         dest="trial",
         action="store_false",
@@ -645,8 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="without torchrun: launch torchrun once per world size (e.g. 1,2) and merge",
     )
     args = p.parse_args(argv)
-    if args.warmup < 0 or args.steps < 1:
-        p.error("--warmup must be >= 0 and --steps >= 1")
+    if args.warmup < 0 or args.steps < 1 or args.accumulation < 1:
+        p.error("--warmup must be >= 0, --steps and --accumulation >= 1")
     if args.zoo not in ("own", "external") and not (
         args.zoo.endswith(".py") and Path(args.zoo).is_file()
     ):

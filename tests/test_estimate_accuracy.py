@@ -6,6 +6,7 @@ allocator's measured peak. resnet's convolutions hold scratch memory only the al
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import statistics
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _dist import REPO, SLOW_MACHINE, plans_kept, run_torchrun
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -127,6 +129,83 @@ def test_checkpointing_takes_a_number_of_blocks(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit):
             estimate_accuracy.parse_args(["--ac", bad])
         assert "--ac takes" in capsys.readouterr().err, bad
+
+
+class _Windows:
+    """AllocatorProfile's `window` alone, for a step taken outside a profile."""
+
+    @staticmethod
+    def window(name: str) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("wrapper", ["none", "ddp", "fsdp2"])
+def test_accumulating_steps_run_every_micro_batch_with_sync_off_but_the_last(
+    one_rank_group: None, wrapper: str
+) -> None:
+    """`--accumulation M`: each measured step is M forwards and backwards of the batch, gradient
+    sync off for all but the last (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`),
+    then one optimizer step on the sum of the micro-batches' gradients, each loss divided by M:
+    here the single batch's gradient."""
+    import estimate_accuracy
+    import zoo
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import autoshard
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 8),)
+    reference = torch.autograd.grad(inner(*batch).square().mean(), list(inner.parameters()))
+    if wrapper == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(inner)
+    elif wrapper == "fsdp2":
+        model = fully_shard(inner)
+    else:
+        model = inner
+    synced: list[bool] = []  # per forward and per backward: whether gradient sync was on
+    sync = [True]  # FSDP2's, as last set (it has no public getter)
+    if wrapper == "fsdp2":
+        setter = model.set_requires_gradient_sync
+
+        def recording(on: bool, **kwargs: object) -> None:
+            sync[0] = on
+            setter(on, **kwargs)
+
+        model.set_requires_gradient_sync = recording  # type: ignore[method-assign]
+    on = (lambda: model.require_backward_grad_sync) if wrapper == "ddp" else (lambda: sync[0])
+    # DDP decides in its forward whether the backward syncs, FSDP2 in its backward
+    inner.register_forward_pre_hook(lambda *_: synced.append(on()))
+    inner[2].register_full_backward_hook(lambda *_: synced.append(on()))
+    stepped: list[list[torch.Tensor]] = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer.register_step_pre_hook(
+        lambda *_: stepped.append([_local(p.grad).clone() for p in model.parameters()])
+    )
+    built = zoo.ZooModel(model, optimizer, batch, lambda out, b: out.square().mean())
+    prepared = autoshard.Prepared(model, optimizer, None)  # type: ignore[arg-type]
+    estimate_accuracy.train_step(prepared, built, _Windows(), [None], micro_batches=3)
+    assert len(synced) == 6 and len(stepped) == 1  # three forwards and backwards, one step
+    for got, want in zip(stepped[0], reference, strict=True):
+        torch.testing.assert_close(got, want)
+    off = [False] * 4 + [True] * 2
+    assert synced == ([True] * 6 if wrapper == "none" else off)
+    assert sync == [True]  # FSDP2's sync back on after the step
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_accumulation_is_a_number_of_micro_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    import estimate_accuracy
+
+    assert estimate_accuracy.parse_args([]).accumulation == 1
+    assert estimate_accuracy.parse_args(["--accumulation", "4"]).accumulation == 4
+    with pytest.raises(SystemExit):
+        estimate_accuracy.parse_args(["--accumulation", "0"])
+    assert "--accumulation >= 1" in capsys.readouterr().err
 
 
 def test_a_zoo_file_of_the_users_own_is_run_as_the_external_zoo_is(
