@@ -217,8 +217,9 @@ class Simulated:
     # some group's optimizer step ran parameter by parameter (not foreach, not fused)
     per_parameter_step: bool = False
     # The moment of forward and backward with the most bytes besides gradients (with every
-    # block checkpointed: `checkpointed_accumulating`). Unwrapped under gradient accumulation,
-    # every gradient of the earlier micro-batches is alive at each moment: this one is the peak
+    # block checkpointed: `checkpointed_accumulating`). Unwrapped or under FSDP2 with gradient
+    # accumulation, every gradient of the earlier micro-batches is alive at each moment (FSDP2's
+    # whole until reduced in the last micro-batch): this one is the peak
     # then, which may be another than `backward` (a forward carrying the last micro-batch's
     # output, where backward's peak held its own gradients). None: the same as the peak.
     accumulating: Phase | None = None
@@ -333,22 +334,26 @@ def from_simulation(
         key=_sum,
     )
     if (
-        recipe(s.strategy).engine is Engine.NONE
+        recipe(s.strategy).engine is not Engine.DDP
         and s.accumulation_steps > 1
         and at_degree.accumulating is not None
     ):
-        # every gradient alive from the second micro-batch on, at every moment: the moment with
+        # Every gradient alive from the second micro-batch on, at every moment: the moment with
         # the most bytes besides them is the peak where it is another than backward's
-        # (taken for a moment of the forward, which it mostly is)
+        # (taken for a moment of the forward, which it mostly is). FSDP2 likewise: through the
+        # last micro-batch's backward the units not reduced yet hold their accumulated gradients
+        # whole, the others their shards (what the simulated moment holds): never more than
+        # every gradient whole, which stands in for the moment's own.
         every = at_degree.checkpointed_accumulating
         accumulating = _checkpointed(at_degree.accumulating, every, profile, s, besides_grads)
-        backward = max(
-            backward,
-            accumulating,
-            key=lambda p: _sum(p) + accumulated_grad_bytes(stats, s, p.grads),
-        )
-    accumulated = accumulated_grad_bytes(stats, s, backward.grads)
-    backward = replace(backward, grads=backward.grads + accumulated)
+
+        def every_gradient(p: Phase) -> Phase:
+            return replace(p, grads=max(p.grads, stats.trainable_bytes))
+
+        backward = max(every_gradient(backward), every_gradient(accumulating), key=_sum)
+    else:
+        accumulated = accumulated_grad_bytes(stats, s, backward.grads)
+        backward = replace(backward, grads=backward.grads + accumulated)
     retired = retired_bucket_bytes(stats, s)
     backward = replace(backward, comm_buffers=backward.comm_buffers + retired)
     step = replace(step, comm_buffers=step.comm_buffers + retired)
@@ -656,8 +661,10 @@ def accumulated_grad_bytes(stats: ModelStats, s: Setting, counted: int) -> int:
     trainable bytes). FSDP2 with `set_requires_gradient_sync(False)` keeps each unit's unsharded
     gradient, in the reduce dtype (fp32 under mixed precision,
     `FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch reduce-scatters it:
-    every gradient, unsharded, beside the sharded ones counted (an upper bound by those). Added
-    by formula: the simulation runs one micro-batch.
+    every gradient, unsharded, beside the sharded ones counted (an upper bound by those: the
+    formulas' moment holds every shard). Added by formula: the simulation runs one micro-batch;
+    `from_simulation` takes every gradient whole in place of a simulated moment's own instead,
+    unwrapped and under FSDP2 (each unit holds its whole gradient or, reduced, its shard).
     """
     if s.accumulation_steps <= 1:
         return 0
