@@ -170,8 +170,8 @@ def test_fsdp2_accumulating_counts_each_gradient_once(
     eight-block model, bf16, every block checkpointed), +12% of this model's peak at one rank.
     Every gradient whole now stands in for the moment's own (never fewer: a unit holds its whole
     gradient or its shard). Held to less than one block's gradient above the trial's peak, which
-    the shards counted twice exceeded threefold (fp32: 16 KB over now; bf16: 296 KB, 1.5%, a
-    difference in the reduce-scatter's fp32 copies not traced further)."""
+    the shards counted twice exceeded two to three times over (2.6 MB fp32, 3.2 MB bf16; now
+    16 KB fp32 and 296 KB bf16, 1.5%, not traced: RESULTS.md names a likely cause)."""
     torch.manual_seed(0)
     model = Embedded()
     optimizer = torch.optim.AdamW(model.parameters())
