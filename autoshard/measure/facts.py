@@ -573,8 +573,8 @@ def accumulation_reason(steps: int) -> str:
     return (
         f"gradient accumulation over {steps} micro-batches: the gradients of the earlier ones "
         f"live beside each later one's activations (unsharded under FSDP, whose gradient sync "
-        f"is off until the last), added by formula to each candidate's gradients; the trial "
-        f"step runs {steps} micro-batches per optimizer step"
+        f"is off until the last; beside DDP's buckets), every gradient counted in each "
+        f"candidate's peak; the trial step runs {steps} micro-batches per optimizer step"
     )
 
 
