@@ -194,10 +194,10 @@ def test_a_plan_for_64_ranks_simulated_on_8_peaks_at_the_instant_largest_at_64(
     instants: list[Phase] = []
     run = simulate._run
 
-    def recorded(*args: object, **kwargs: object) -> tuple[dict[str, list[Phase]], Phase]:
-        moments, step_peak = run(*args, **kwargs)  # type: ignore[arg-type]
+    def recorded(*args: object, **kwargs: object) -> simulate.Steps:
+        moments, step_peak, starts = run(*args, **kwargs)  # type: ignore[arg-type]
         instants.extend(p for phases in moments.values() for p in phases)
-        return moments, step_peak
+        return moments, step_peak, starts
 
     monkeypatch.setattr(simulate, "_run", recorded)
     monkeypatch.setattr(step, "peaks", tuple)

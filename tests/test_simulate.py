@@ -423,6 +423,55 @@ def test_checkpointed_runs_carry_the_unchecked_state() -> None:
         assert checkpointed.activations < sim.backward.activations  # blocks saved only inputs
 
 
+class _Reordered(MLP):
+    """`MLP` whose forward runs its blocks in the `order` given (a block twice: its weights
+    shared)."""
+
+    def __init__(self, order: list[int]) -> None:
+        super().__init__(depth=3)
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i in self.order:
+            x = x + self.blocks[i](x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize(
+    "order", [[0, 1, 2], [0, 1, 2, 0], [2, 1, 0]], ids=["in order", "shared", "reversed"]
+)
+def test_what_each_block_starts_with_is_kept_where_the_blocks_run_once_in_order(
+    order: list[int],
+) -> None:
+    """`Simulated.starts`: the activations and temporaries alive as each block's forward begins,
+    with none and with every block checkpointed; their difference at the k-th block is what
+    checkpointing the first k frees (`checkpointing_frees`): each block's saved activations
+    beyond its input. A block run twice, or blocks run out of their order, keep none (k of n
+    is then derived from the trace)."""
+    from autoshard.decide.estimate import checkpointing_frees
+
+    torch.manual_seed(0)
+    model = _Reordered(order)
+    names = ["blocks.0", "blocks.1", "blocks.2"]
+    stats = model_stats(model, [model.get_submodule(n) for n in names], 0, "", 0)
+    setup = Setup(names, torch.randn(32, 16), None, torch.optim.Adam(model.parameters()), None,
+                  torch.device("cpu"))  # fmt: skip
+    strategies = (Strategy.DDP, Strategy.FULL_SHARD)
+    runs, note = simulate_all(model, setup, strategies, stats, 2, checkpointed=strategies)
+    for strategy, sim in combine(runs).items():
+        if order != sorted(order) or len(order) != len(set(order)):
+            assert sim.starts == sim.checkpointed_starts == (), strategy
+            assert checkpointing_frees(sim, 1) is None
+            continue
+        assert len(sim.starts) == len(sim.checkpointed_starts) == 3, strategy
+        # each block saves beyond its input its ReLU's output (4 x 64 wide, 32 rows, fp32: the
+        # second Linear's input too); checkpointed, it keeps the CPU generator's state instead
+        frees = [checkpointing_frees(sim, k) for k in range(4)]
+        saved = 32 * 4 * 64 * 4 - torch.get_rng_state().nbytes
+        assert frees == [None, saved, 2 * saved, None], strategy  # none, every: as simulated
+
+
 def test_checkpointing_is_judged_from_the_simulated_peaks_in_one_process() -> None:
     """Where no unchecked candidate fits, one process simulates the unchecked runs first and the
     checkpointed ones it then needs in a second round: the formula's picks were mostly wasted

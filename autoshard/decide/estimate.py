@@ -234,6 +234,12 @@ class Simulated:
     # `backward` at any degree.
     peaks: tuple[Phase, ...] = ()
     checkpointed_peaks: tuple[Phase, ...] = ()
+    # The activations and temporaries alive as each block's forward begins, in the order of the
+    # blocks (`measure.step.Moments.starts`; with every block
+    # checkpointed: `checkpointed_starts`): what checkpointing the first k blocks frees is the
+    # difference of the two at the k-th (`checkpointing_frees`). Empty: not recorded.
+    starts: tuple[int, ...] = ()
+    checkpointed_starts: tuple[int, ...] = ()
 
     def scaled(self, ratio: float, per_parameter: float) -> Simulated:
         """The sharded terms at another shard size: the parameters, gradients and optimizer
@@ -326,9 +332,18 @@ def from_simulation(
     every = max(checkpointed, key=_sum, default=None)
     # with every block checkpointed, the most activations and temporaries alive at any moment
     every_held = max((p.activations + p.temporaries for p in checkpointed), default=None)
+    frees = checkpointing_frees(at_degree, s.checkpointed)
     backward = max(
         (
-            _checkpointed(moment, every, profile, s, forward=at_degree.forward, held=every_held)
+            _checkpointed(
+                moment,
+                every,
+                profile,
+                s,
+                forward=at_degree.forward,
+                held=every_held,
+                frees=frees,
+            )
             for moment in _moments(at_degree.backward, at_degree.peaks)
         ),
         key=_sum,
@@ -345,7 +360,9 @@ def from_simulation(
         # whole, the others their shards (what the simulated moment holds): never more than
         # every gradient whole, which stands in for the moment's own.
         every = at_degree.checkpointed_accumulating
-        accumulating = _checkpointed(at_degree.accumulating, every, profile, s, besides_grads)
+        accumulating = _checkpointed(
+            at_degree.accumulating, every, profile, s, besides_grads, frees=frees
+        )
 
         def every_gradient(p: Phase) -> Phase:
             return replace(p, grads=max(p.grads, stats.trainable_bytes))
@@ -374,6 +391,18 @@ def _moments(peak: Phase | None, peaks: tuple[Phase, ...]) -> tuple[Phase, ...]:
     return () if peak is None else (peak, *peaks)
 
 
+def checkpointing_frees(sim: Simulated, k: int) -> int | None:
+    """What checkpointing the first k blocks lets go of, by the simulations with none and with
+    every block checkpointed: the activations and temporaries alive as the k-th block's forward
+    begins in the one, less those in the other (the blocks before it saved all they save in the
+    one, their inputs and the generator's states in the other; all else alike). None where
+    either did not record them, or k is none or every block."""
+    plain, every = sim.starts, sim.checkpointed_starts
+    if len(plain) != len(every) or not 0 < k < len(plain):
+        return None
+    return max(0, plain[k] - every[k])
+
+
 def _on_device(sim: Simulated) -> Simulated:
     """`sim` with the parameters, gradients and optimizer state in host memory (CPU offload),
     where the optimizer step runs too: every moment's sharded terms scaled to nothing."""
@@ -389,6 +418,7 @@ def _checkpointed(
     key: Callable[[Phase], int] | None = None,
     forward: Phase | None = None,
     held: int | None = None,
+    frees: int | None = None,
 ) -> Phase:
     """A simulated forward/backward moment (`moment`, with no block checkpointed) with the
     first `s.checkpointed` blocks checkpointed; `every`: the same moment simulated with every
@@ -401,13 +431,21 @@ def _checkpointed(
     forward kept). `forward` is the forward's own peak where the simulation told it apart, else
     `moment` is taken for one too. Each checkpointed block keeps the generator's state beside
     its input (`Setting.checkpoint_state_bytes`). `held`: the most activations and temporaries
-    alive at any moment of `every`'s run (`_Calibration`)."""
+    alive at any moment of `every`'s run (`_Calibration`).
+
+    `frees`: what checkpointing the k blocks lets go of by the simulations
+    (`checkpointing_frees`), where they recorded it; it stands for the trace's figures, and
+    `every` for each moment of the blocks checkpointed (once the backward reaches block j < k,
+    the blocks after it have let go of theirs, the ones before it hold their inputs, as with
+    every block checkpointed): the peak is that of the moments of either run."""
     key = key or _sum
     k = s.checkpointed
     if every is not None and profile is not None and k >= len(profile.block_saved_bytes):
         return every  # simulated as it is
     if profile is None or not k:
         return moment
+    if frees is not None and every is not None:
+        return max(_simulated_less(moment, forward, frees, profile, s, key), every, key=key)
     # FSDP2 computes with parameters it casts itself (comm buffers): autocast's copies, which
     # the trace (under autocast) counts as saved, are nothing checkpointing frees there
     never = profile.cached_casts(k) if recipe(s.strategy).sharded else 0
@@ -436,6 +474,42 @@ def _checkpointed(
     if every is not None and key(every) > key(derived):
         return every
     return derived
+
+
+def _simulated_less(
+    moment: Phase,
+    forward: Phase | None,
+    frees: int,
+    profile: ActivationProfile,
+    s: Setting,
+    key: Callable[[Phase], int],
+) -> Phase:
+    """A moment with no block checkpointed (`moment`, and the forward's `forward` where told
+    apart) with the first k checkpointed, where the simulations say what that frees (`frees`,
+    at a block's forward start). In backward, what the k blocks leave out of the model's output
+    goes too, and where autocast computes (unwrapped, DDP) the copies of their parameters, which
+    its cache held at the forward's start with or without checkpointing and the blocks then
+    saved, checkpointed or not (`ActivationProfile.cached_casts`); in the forward, what they
+    leave out of the previous step's output carried through it. The larger of the two by
+    `key`."""
+    k = s.checkpointed
+    casts = 0 if recipe(s.strategy).sharded else profile.cached_casts(k)
+    output = profile.output_held(0) - profile.output_held(k)
+    carried = profile.carried(0) - profile.carried(k)
+    in_backward = _taken_off(moment, frees + output + casts)
+    in_forward = _taken_off(moment if forward is None else forward, frees + carried)
+    return max(in_backward, in_forward, key=key)
+
+
+def _taken_off(moment: Phase, freed: int) -> Phase:
+    """`moment` with `freed` bytes let go: off the activations first, then the temporaries (the
+    trackers file some saved tensors as temporaries: those first seen in backward)."""
+    from_activations = min(freed, moment.activations)
+    return replace(
+        moment,
+        activations=moment.activations - from_activations,
+        temporaries=max(0, moment.temporaries - (freed - from_activations)),
+    )
 
 
 @dataclass(frozen=True)
@@ -480,15 +554,7 @@ def _less(
             every = max(0, simulated - calibration.held - calibration.output)
             shares.append(freed * every // calibration.saved)
         freed = min(shares)
-    freed += output
-    # The trackers file some saved tensors as temporaries (those first seen in backward):
-    # what checkpointing frees comes off the activations first, then the temporaries.
-    from_activations = min(freed, moment.activations)
-    return replace(
-        moment,
-        activations=moment.activations - from_activations,
-        temporaries=max(0, moment.temporaries - (freed - from_activations)),
-    )
+    return _taken_off(moment, freed + output)
 
 
 def _sum(phase: Phase) -> int:

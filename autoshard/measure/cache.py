@@ -625,6 +625,8 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
         forward=maybe("forward"),
         peaks=tuple(map(phase, value["peaks"])),
         checkpointed_peaks=tuple(map(phase, value["checkpointed_peaks"])),
+        starts=tuple(map(_int, value.get("starts", ()))),
+        checkpointed_starts=tuple(map(_int, value.get("checkpointed_starts", ()))),
     )
 
 

@@ -12,8 +12,12 @@ distinct convolution call and held as a fake block during each (`measure.workspa
 What is derived instead of simulated again:
 
 - activation checkpointing: every block checkpointed is simulated (forward and backward only)
-  where it matters; k < L checkpointed blocks are derived from it and from what
-  `ActivationProfile` says each block saves (`estimate.estimate`);
+  where it matters; k < L checkpointed blocks are derived from it and from the unchecked run:
+  what the two hold as the k-th block's forward begins differs by what checkpointing the first
+  k frees (`step.Moments.starts`, `estimate.checkpointing_frees`), taken off the unchecked
+  run's moments, the checkpointed blocks' own backward being the checkpointed run's; where
+  that was not recorded (a block run twice), from what `ActivationProfile` says each block
+  saves (`estimate.estimate`);
 - depth: a model whose blocks repeat (`measure.layout`: 16 or more alike blocks, or lists of
   them, periods of unlike ones) is simulated with 3, 4 and 5 periods of every list and extended
   to its own number moment by moment (`step.Moments`: each block's forward and backward, the
@@ -119,7 +123,9 @@ class Setup:
     unlike_blocks: bool = False
 
 
-Steps = tuple[dict[str, list[Phase]], Phase]
+# A run's moments of forward and backward, its optimizer step's peak, and what checkpointing may
+# free as each block's forward begins (`step.Moments.starts`)
+Steps = tuple[dict[str, list[Phase]], Phase, dict[str, int]]
 
 
 def simulate(
@@ -151,12 +157,12 @@ def simulate(
     loop = per_parameter_step(setup.optimizer, trains_on, sharded)
     if repeats is not None:
         try:
-            found = _by_periods(run, strategy, repeats)
+            found = _by_periods(run, strategy, repeats, setup.block_names)
         except Exception:  # noqa: BLE001 - a copy with fewer blocks may fail where the model runs
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            instants, step, forward = found
+            instants, step, forward, starts = found
             return Simulated(
                 max(instants, key=total),
                 step,
@@ -165,8 +171,9 @@ def simulate(
                 accumulating=max(instants, key=besides_grads),
                 forward=forward,
                 peaks=peaks(instants),
+                starts=starts,
             )
-    moments, step = run(None, None)
+    moments, step, held = run(None, None)
     forwards = of_forward(moments)
     return Simulated(
         peak_of(moments),
@@ -176,6 +183,7 @@ def simulate(
         accumulating=peak_of(moments, besides_grads),
         forward=peak_of(forwards) if forwards else None,
         peaks=peaks(phase for phases in moments.values() for phase in phases),
+        starts=tuple(held[name] for name in setup.block_names) if held else (),
     )
 
 
@@ -187,9 +195,10 @@ def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
 
 
 def _by_periods(
-    run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout
-) -> tuple[list[Phase], Phase, Phase | None] | None:
-    """The instants of forward and backward, the step's peak and the forward's peak from
+    run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout, names: list[str]
+) -> tuple[list[Phase], Phase, Phase | None, tuple[int, ...]] | None:
+    """The instants of forward and backward, the step's peak, the forward's peak and what
+    checkpointing may free as each of the blocks `names` begins (`_extended_starts`) from
     copies of 3, 4, 5 (then 6) periods of every list (`run`), extended (`_extended`); None
     where they are not on one line."""
     runs = {k: run(repeats, k) for k in SHALLOW}
@@ -197,7 +206,7 @@ def _by_periods(
         k1, k2, k3 = sorted(runs)[-3:]
         found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
         if found is not None:
-            return found
+            return (*found, _extended_starts(runs[k3][2], repeats, k3, names))
         if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
             logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
             return None
@@ -228,6 +237,31 @@ def _extended(
         return None
     forward = _extend_moments(of_forward(p2[0]), of_forward(p3[0]), k2, k3, full)
     return extended, _extend(p2[1], p3[1], k2, k3, full), forward
+
+
+def _extended_starts(
+    held: dict[str, int], repeats: Layout, k: int, names: list[str]
+) -> tuple[int, ...]:
+    """What checkpointing may free as each of the model's blocks `names` begins its forward
+    (`step.Moments.starts`), from the copy with k periods (`held`, by its blocks' names): each
+    block adds what the copy's block standing for it (`Layout.source`, the one a block's
+    backward reads: blocks follow it in the copy too) added up to the next one's start. A
+    list's last block adds what runs between it and the next list too, alike with and without
+    checkpointing, which the difference between the two (all that is read of these) leaves
+    out. Empty where the copy's were not kept, its first block is not the model's, or a block
+    before the model's last stands for the copy's last (which no start follows)."""
+    kept = repeats.kept(k)
+    source = repeats.source(k, backward=True)
+    if not held or not names or kept[0] != names[0]:
+        return ()
+    pairs = zip(kept[:-1], kept[1:], strict=True)
+    added = {name: held[after] - held[name] for name, after in pairs}
+    if any(source.get(name) not in added for name in names[:-1]):
+        return ()
+    starts = [held[kept[0]]]
+    for name in names[:-1]:
+        starts.append(starts[-1] + added[source[name]])
+    return tuple(starts)
 
 
 def _extend_moments(
@@ -277,13 +311,14 @@ def _run(
     mesh: Any,
     repeats: Layout | None = None,
     periods: int = 0,
-) -> tuple[dict[str, list[Phase]], Phase]:
+) -> Steps:
     """One step of the model (with `repeats`, of its copy with `periods` periods of every list:
     each moment's bytes after each operator recorded, to be extended; else the whole model's,
     each moment's peak)."""
     mode = fake_mode()
     kept = setup.block_names if repeats is None else repeats.kept(periods)
     fake, optimizer, batch = wrapped_copy(model, setup, strategy, mesh, kept, mode)
+    named = [(fake.get_submodule(name), name) for name in kept]
     labelled = (
         []
         if repeats is None
@@ -302,7 +337,7 @@ def _run(
         sharding_propagation_untracked(),
         mode,
     ):
-        return tracked_step(fake, optimizer, batch, setup, strategy, labelled)
+        return tracked_step(fake, optimizer, batch, setup, strategy, labelled, named)
 
 
 def wrapped_copy(
@@ -575,6 +610,7 @@ def combine(runs: dict[Run, Simulated]) -> dict[Strategy, Simulated]:
                 None if run.accumulating is None else with_plain_state(run.accumulating, plain)
             ),
             checkpointed_peaks=tuple(with_plain_state(phase, plain) for phase in run.peaks),
+            checkpointed_starts=run.starts,
         )
 
     return {

@@ -68,10 +68,13 @@ def tracked_step(
     setup: Setup,
     strategy: Strategy,
     labelled: list[tuple[nn.Module, str]] | None = None,
-) -> tuple[dict[str, list[Phase]], Phase]:
+    named: list[tuple[nn.Module, str]] | None = None,
+) -> tuple[dict[str, list[Phase]], Phase, dict[str, int]]:
     """The breakdowns of each moment of forward and backward (`Moments`, over the `labelled`
-    blocks, the model's repeated blocks in order, each with its label) and at the optimizer
-    step's peak of a steady step. Each moment has its peak, or, where blocks are labelled (to be
+    blocks, the model's repeated blocks in order, each with its label), at the optimizer
+    step's peak of a steady step, and the bytes that checkpointing may free as each of the
+    `named` blocks (the model's blocks in order, by name) begins its forward
+    (`Moments.starts`). Each moment has its peak, or, where blocks are labelled (to be
     extended), the bytes after each of its operators (where this torch's tracker lets them be
     read; else its peak).
 
@@ -109,7 +112,7 @@ def tracked_step(
     else:
         tracker = frozen_safe(MemTracker())
         tracker.track_external(model, optimizer, *inputs)  # the batch counts as "Other": inputs
-    moments = Moments(tracker, labelled or [])
+    moments = Moments(tracker, labelled or [], named or [])
     moments.recording = tracker_global_peak_only(tracker, moments.observe)
     # inside the tracker, which so sees the workspace blocks and the generator states kept
     trains_on = setup.trains_on or setup.device
@@ -132,8 +135,10 @@ def tracked_step(
         backward = moments.result()
         kept = [*model.parameters(), *model.buffers(), *inputs]
         if setup.checkpoint_all:
-            return carried(backward, released(tracker, output, kept)), Phase(
-                **dict.fromkeys(_TERMS, 0)
+            return (
+                carried(backward, released(tracker, output, kept)),
+                Phase(**dict.fromkeys(_TERMS, 0)),
+                moments.starts(),
             )
         # The step's peak: what is alive as it starts (parameters, gradients, state), plus the
         # most its intermediates add. Taken as a difference of totals, not from the tracker's
@@ -154,7 +159,7 @@ def tracked_step(
         label: [with_state(phase, created) for phase in phases]
         for label, phases in backward.items()
     }
-    return with_created, step
+    return with_created, step, moments.starts()
 
 
 # Labels of the moments of forward and backward (`Moments`)
@@ -186,9 +191,18 @@ class Moments:
     with many), which one global peak per depth misses (a 22-block Llama under DDP with every
     block checkpointed: 18.66 GiB extended that way, 19.19 GiB simulated whole)."""
 
-    def __init__(self, tracker: Any, labelled: list[tuple[nn.Module, str]]) -> None:
+    def __init__(
+        self,
+        tracker: Any,
+        labelled: list[tuple[nn.Module, str]],
+        named: list[tuple[nn.Module, str]] | None = None,
+    ) -> None:
         self.tracker = tracker
         self.labelled = labelled
+        self.named = named or []
+        # the activations and temporaries alive as each named block's forward began, by its
+        # name, in the order they ran
+        self.held_at: list[tuple[str, int]] = []
         self.seen: dict[str, Phase] = {}
         self.label: str | None = FORWARD
         self.in_backward = False
@@ -232,10 +246,24 @@ class Moments:
         tracker_reset_peak(self.tracker)
         self.label = label
 
+    def starts(self) -> dict[str, int]:
+        """The activations and temporaries alive as each named block's forward began, by the
+        block's name: what checkpointing the first k blocks lets go of is the difference at the
+        k-th between the runs with none and with every block checkpointed
+        (`estimate.checkpointing_frees`). Not where the last one ends: a forward hook's
+        arguments still hold the block's input there, which its forward let go of. Empty where
+        the blocks did not run once each, in their order (a block called twice, blocks run out
+        of order)."""
+        names = [name for _, name in self.named]
+        if not names or [name for name, _ in self.held_at] != names:
+            return {}
+        return dict(self.held_at)
+
     @contextmanager
     def marked(self) -> Iterator[None]:
         """Each block hooked for the duration: its forward, and its backward (the gradient of
-        its output ready), each start a moment; the last block's end starts the head's."""
+        its output ready), each start a moment; the last block's end starts the head's. Each
+        named block's forward start is kept (`starts`)."""
         handles = [
             hook
             for block, label in self.labelled
@@ -244,11 +272,23 @@ class Moments:
                 block.register_forward_hook(self._hook_outputs(label)),
             )
         ]
+        handles += [
+            block.register_forward_pre_hook(self._keep_held(name)) for block, name in self.named
+        ]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _keep_held(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            # not a checkpointed block's forward run again in backward
+            if not self.in_backward:
+                phase = _phase(self.tracker, "current")
+                self.held_at.append((name, phase.activations + phase.temporaries))
+
+        return hook
 
     def _forward_starts(self, label: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
