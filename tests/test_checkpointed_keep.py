@@ -351,9 +351,8 @@ def _fsdp2_estimate(
 ) -> int:
     """The plan's estimate of the model `make` makes for `strategy` on 2 ranks, bf16 (or
     `mixed_precision`), `checkpointed` blocks checkpointed; with `first`, a simulation with none
-    checkpointed that
-    checkpoints its first `first` blocks all the same, before FSDP2 shards them (as
-    `wrap.apply` does): what that many checkpointed blocks hold, simulated."""
+    checkpointed that checkpoints its first `first` blocks all the same, before FSDP2 shards
+    them (as `wrap.apply` does): what that many checkpointed blocks hold, simulated."""
     from autoshard.measure import simulate
 
     def sharded(fake: nn.Module, names: list[str], *args: Any) -> None:

@@ -120,8 +120,9 @@ def test_k_of_n_checkpointed_extended_is_what_checkpointing_them_in_the_whole_mo
     model simulated with its first 5 blocks checkpointed before FSDP2 shards them (as
     `wrap.apply` does). FULL_SHARD (SHARD_GRAD_OP was exact too, checked by hand; 11 of 16 as
     well). Derived from the trace it was over by 0.15% (both strategies)."""
-    strategy = "full_shard"
     from autoshard.strategies.engines import checkpoint_block
+
+    strategy = "full_shard"
 
     calls = _periods_simulated(monkeypatch)
     extended = _peak(llama, strategy, 5, "cuda")

@@ -459,6 +459,7 @@ def test_what_each_block_starts_with_is_kept_where_the_blocks_run_once_in_order(
                   torch.device("cpu"))  # fmt: skip
     strategies = (Strategy.DDP, Strategy.FULL_SHARD)
     runs, note = simulate_all(model, setup, strategies, stats, 2, checkpointed=strategies)
+    assert set(runs) == {(s, ck) for s in strategies for ck in (False, True)}, note
     for strategy, sim in combine(runs).items():
         if order != sorted(order) or len(order) != len(set(order)):
             assert sim.starts == sim.checkpointed_starts == (), strategy
