@@ -247,9 +247,9 @@ def _extended_starts(
     block adds what the copy's block standing for it (`Layout.source`, the one a block's
     backward reads: blocks follow it in the copy too) added up to the next one's start; for a
     list's last block that is the copy's list's last, which adds what runs before the next
-    list's first block, as the model's does. Empty where the copy's were not kept, its first block is not the
-    model's, or a block before the model's last stands for the copy's last (which no start
-    follows)."""
+    list's first block, as the model's does. Empty where the copy's were not kept, its first
+    block is not the model's, or a block before the model's last stands for the copy's last
+    (which no start follows)."""
     kept = repeats.kept(k)
     source = repeats.source(k, backward=True)
     if not held or not names or kept[0] != names[0]:

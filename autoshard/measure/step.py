@@ -195,11 +195,11 @@ class Moments:
         self,
         tracker: Any,
         labelled: list[tuple[nn.Module, str]],
-        named: list[tuple[nn.Module, str]] | None = None,
+        named: list[tuple[nn.Module, str]],
     ) -> None:
         self.tracker = tracker
         self.labelled = labelled
-        self.named = named or []
+        self.named = named
         # the activations and temporaries alive as each named block's forward began, by its
         # name, in the order they ran
         self.held_at: list[tuple[str, int]] = []
