@@ -15,6 +15,7 @@ import dataclasses
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,34 +82,44 @@ def llama() -> zoo.ZooModel:
     )
 
 
-# Only the case of the GPU suite's shortfall (FULL_SHARD, checkpointed) on every torch CI runs;
-# the others, as heavy (a 16-block plan each), on the main torch only (`slow`: README, "Run the
-# test suite")
+# Only FULL_SHARD, the case of the GPU suite's shortfall, on every torch CI runs; the others, as
+# heavy (16-block plans), on the main torch only (`slow`: README, "Run the test suite")
 MAIN_TORCH_ONLY = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    ("strategy", "checkpointed"),
+    "strategy",
     [
-        pytest.param(strategy, checkpointed, id=f"{strategy}-{label}", marks=marks)
-        for strategy in ("ddp", "shard_grad_op", "full_shard")
-        for checkpointed, label in ((True, "checkpointed"), (False, "plain"))
-        for marks in [() if (strategy, checkpointed) == ("full_shard", True) else MAIN_TORCH_ONLY]
+        pytest.param("ddp", marks=MAIN_TORCH_ONLY),
+        pytest.param("shard_grad_op", marks=MAIN_TORCH_ONLY),
+        "full_shard",
     ],
 )
 def test_the_extended_estimate_equals_the_whole_model_s(
     llama: zoo.ZooModel,
     strategy: str,
-    checkpointed: bool,
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
+    """Every block checkpointed, then none. The checkpointed plan simulates the unchecked runs
+    too (it needs both); the unchecked plan after it reads them back from autoshard's cache,
+    turned on here in a directory for the extended plans and another for the whole model's."""
     calls = _periods_simulated(monkeypatch)
-    # planned for GPUs (the what-if needs none): no gloo buffer on top of the simulated step
-    extended = _peak(llama, strategy, checkpointed, "cuda")
-    assert "whole" not in calls, f"simulated whole, not extended: periods {calls}"
+    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
+
+    def peaks(kept: str) -> list[int]:
+        monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / kept))
+        # planned for GPUs (the what-if needs none): no gloo buffer on top of the simulated step
+        return [_peak(llama, strategy, checkpointed, "cuda") for checkpointed in (True, False)]
+
+    extended = peaks("extended")
+    assert calls and "whole" not in calls, f"simulated whole, not extended: periods {calls}"
     monkeypatch.setattr(layout_module, "MIN_DEPTH_TO_EXTEND", DEPTH + 1)
-    whole = _peak(llama, strategy, checkpointed, "cuda")
-    assert abs(extended - whole) <= TOLERANCE * whole, (extended, whole)
+    calls.clear()
+    whole = peaks("whole")
+    assert calls and all(c == "whole" for c in calls), calls
+    for checkpointed, e, w in zip((True, False), extended, whole, strict=True):
+        assert abs(e - w) <= TOLERANCE * w, (checkpointed, e, w)
 
 
 @MAIN_TORCH_ONLY
