@@ -67,6 +67,18 @@ def _periods_simulated(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     return periods
 
 
+def _checkpointed_then_not(
+    plan: Callable[[bool], int], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
+    """`plan` with every block checkpointed, then with none, autoshard's cache on in `cache` (the
+    suite turns it off): the checkpointed plan simulates the unchecked runs too (it needs both),
+    and the unchecked plan reads them back. One directory for the extended plans, another for
+    the whole model's."""
+    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(cache))
+    return [plan(checkpointed) for checkpointed in (True, False)]
+
+
 @pytest.fixture(scope="module")
 def llama() -> zoo.ZooModel:
     # a head of 8000 logits a token over 128 tokens: large beside a block of width 256
@@ -101,16 +113,16 @@ def test_the_extended_estimate_equals_the_whole_model_s(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    """Every block checkpointed, then none. The checkpointed plan simulates the unchecked runs
-    too (it needs both); the unchecked plan after it reads them back from autoshard's cache,
-    turned on here in a directory for the extended plans and another for the whole model's."""
+    """Every block checkpointed, then none (`_checkpointed_then_not`)."""
     calls = _periods_simulated(monkeypatch)
-    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
 
     def peaks(kept: str) -> list[int]:
-        monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / kept))
         # planned for GPUs (the what-if needs none): no gloo buffer on top of the simulated step
-        return [_peak(llama, strategy, checkpointed, "cuda") for checkpointed in (True, False)]
+        return _checkpointed_then_not(
+            lambda checkpointed: _peak(llama, strategy, checkpointed, "cuda"),
+            tmp_path / kept,
+            monkeypatch,
+        )
 
     extended = peaks("extended")
     assert calls and "whole" not in calls, f"simulated whole, not extended: periods {calls}"
@@ -327,8 +339,8 @@ def _layout_planned(model: torch.nn.Module, strategy: str, checkpointed: bool) -
     )
 
 
-# every layout on every torch CI runs, every block checkpointed and then none, the second plan
-# reading back the unchecked runs the first simulated (as for the Llama-shaped decoder above)
+# every layout on every torch CI runs, every block checkpointed and then none
+# (`_checkpointed_then_not`)
 @pytest.mark.parametrize(
     ("name", "strategy"),
     [
@@ -350,11 +362,13 @@ def test_each_layout_extends_to_the_whole_model_s_estimate(
     repeats = layout_module.layout(model, names)
     assert repeats is not None, name
     periods = _periods_simulated(monkeypatch)
-    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
 
     def plans(kept: str) -> list[int]:
-        monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path / kept))
-        return [_layout_plan(model, strategy, checkpointed) for checkpointed in (True, False)]
+        return _checkpointed_then_not(
+            lambda checkpointed: _layout_plan(model, strategy, checkpointed),
+            tmp_path / kept,
+            monkeypatch,
+        )
 
     extended = plans("extended")
     assert periods and "whole" not in periods, periods
