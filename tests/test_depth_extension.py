@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import REPO
+from _dist import REPO, plans_kept
 
 import autoshard
 import autoshard.measure.layout as layout_module
@@ -74,8 +74,8 @@ def _checkpointed_then_not(
     suite turns it off): the checkpointed plan simulates the unchecked runs too (it needs both),
     and the unchecked plan reads them back. One directory for the extended plans, another for
     the whole model's."""
-    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
-    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(cache))
+    for name, value in plans_kept(cache).items():
+        monkeypatch.setenv(name, value)
     return [plan(checkpointed) for checkpointed in (True, False)]
 
 

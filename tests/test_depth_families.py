@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import REPO
+from _dist import REPO, plans_kept
 
 from autoshard.measure.fake import unavailable
 
@@ -66,8 +66,8 @@ def _plan_peaks(
     """`depth_extension.plan_peak` for each of `settings` in turn, autoshard's cache on in
     `cache` (the suite turns it off): a plan after the first reads back the runs it shares with
     an earlier one. One directory for the extended plans, another for the whole model's."""
-    monkeypatch.setenv("AUTOSHARD_CACHE", "1")
-    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(cache))
+    for name, value in plans_kept(cache).items():
+        monkeypatch.setenv(name, value)
     return [depth_extension.plan_peak(family, strategy, c, whole=whole) for c in settings]
 
 
