@@ -627,6 +627,7 @@ def simulated_from_json(value: dict[str, Any]) -> Simulated:
         checkpointed_peaks=tuple(map(phase, value["checkpointed_peaks"])),
         starts=tuple(map(_int, value.get("starts", ()))),
         checkpointed_starts=tuple(map(_int, value.get("checkpointed_starts", ()))),
+        let_go_at_return=tuple(map(_int, value.get("let_go_at_return", ()))),
     )
 
 

@@ -73,6 +73,7 @@ from autoshard.measure.fake import (
 from autoshard.measure.layout import INTERIOR, SHALLOW, Layout, layout
 from autoshard.measure.quiet import failed_run_unheard, own_runs_quiet
 from autoshard.measure.step import (
+    BlockStart,
     autograd_on,
     of_forward,
     peak_of,
@@ -124,8 +125,8 @@ class Setup:
 
 
 # A run's moments of forward and backward, its optimizer step's peak, and what checkpointing may
-# free as each block's forward begins (`step.Moments.starts`)
-Steps = tuple[dict[str, list[Phase]], Phase, dict[str, int]]
+# free and keep as each block's forward begins (`step.Moments.starts`)
+Steps = tuple[dict[str, list[Phase]], Phase, dict[str, BlockStart]]
 
 
 def simulate(
@@ -162,7 +163,7 @@ def simulate(
             logger.debug("%s: a shallow copy failed; simulating the whole model", strategy)
             found = None
         if found is not None:
-            instants, step, forward, starts = found
+            instants, step, forward, (starts, let_go) = found
             return Simulated(
                 max(instants, key=total),
                 step,
@@ -172,6 +173,7 @@ def simulate(
                 forward=forward,
                 peaks=peaks(instants),
                 starts=starts,
+                let_go_at_return=let_go,
             )
     moments, step, held = run(None, None)
     forwards = of_forward(moments)
@@ -183,7 +185,8 @@ def simulate(
         accumulating=peak_of(moments, besides_grads),
         forward=peak_of(forwards) if forwards else None,
         peaks=peaks(phase for phases in moments.values() for phase in phases),
-        starts=tuple(held[name] for name in setup.block_names) if held else (),
+        starts=tuple(held[name].held for name in setup.block_names) if held else (),
+        let_go_at_return=tuple(held[name].let_go for name in setup.block_names) if held else (),
     )
 
 
@@ -196,17 +199,20 @@ def simulated_layout(model: nn.Module, setup: Setup) -> Layout | None:
 
 def _by_periods(
     run: Callable[[Layout, int], Steps], strategy: Strategy, repeats: Layout, names: list[str]
-) -> tuple[list[Phase], Phase, Phase | None, tuple[int, ...]] | None:
+) -> tuple[list[Phase], Phase, Phase | None, tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """The instants of forward and backward, the step's peak, the forward's peak and what
-    checkpointing may free as each of the blocks `names` begins (`_extended_starts`) from
-    copies of 3, 4, 5 (then 6) periods of every list (`run`), extended (`_extended`); None
-    where they are not on one line."""
+    checkpointing may free and keep as each of the blocks `names` begins (`_extended_starts`,
+    of `BlockStart`'s two) from copies of 3, 4, 5 (then 6) periods of every list (`run`),
+    extended (`_extended`); None where they are not on one line."""
     runs = {k: run(repeats, k) for k in SHALLOW}
     while True:
         k1, k2, k3 = sorted(runs)[-3:]
         found = _extended(runs[k1], runs[k2], runs[k3], (k1, k2, k3), repeats.periods)
         if found is not None:
-            return (*found, _extended_starts(runs[k3][2], repeats, k3, names))
+            at = runs[k3][2]
+            held = _extended_starts({n: s.held for n, s in at.items()}, repeats, k3, names)
+            let_go = _extended_starts({n: s.let_go for n, s in at.items()}, repeats, k3, names)
+            return (*found, (held, let_go))
         if k3 >= _DEEPEST or k3 + 1 >= repeats.periods:
             logger.debug("%s: terms not linear in depth; simulating the whole model", strategy)
             return None
@@ -242,14 +248,14 @@ def _extended(
 def _extended_starts(
     held: dict[str, int], repeats: Layout, k: int, names: list[str]
 ) -> tuple[int, ...]:
-    """What checkpointing may free as each of the model's blocks `names` begins its forward
-    (`step.Moments.starts`), from the copy with k periods (`held`, by its blocks' names): each
-    block adds what the copy's block standing for it (`Layout.source`, the one a block's
-    backward reads: blocks follow it in the copy too) added up to the next one's start; for a
-    list's last block that is the copy's list's last, which adds what runs before the next
-    list's first block, as the model's does. Empty where the copy's were not kept, its first
-    block is not the model's, or a block before the model's last stands for the copy's last
-    (which no start follows)."""
+    """What checkpointing may free (or keep: one of `step.BlockStart`'s) as each of the
+    model's blocks `names` begins its forward (`step.Moments.starts`), from the copy with k
+    periods (`held`, by its blocks' names): each block adds what the copy's block standing for
+    it (`Layout.source`, the one a block's backward reads: blocks follow it in the copy too)
+    added up to the next one's start; for a list's last block that is the copy's list's last,
+    which adds what runs before the next list's first block, as the model's does. Empty where
+    the copy's were not kept, its first block is not the model's, or a block before the
+    model's last stands for the copy's last (which no start follows)."""
     kept = repeats.kept(k)
     source = repeats.source(k, backward=True)
     if not held or not names or kept[0] != names[0]:

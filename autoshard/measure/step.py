@@ -4,10 +4,11 @@ as in a steady step."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +62,17 @@ def _state_first(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer) in _STATE_FIRST and len(trained) <= 1
 
 
+class BlockStart(NamedTuple):
+    """What is alive as a block's forward begins (`Moments.starts`): the activations and
+    temporaries (`held`), and of the earlier blocks' inputs among them, the bytes the model
+    lets go of when it returns (`let_go`: a local of its forward, the first block's input that
+    a frozen embedding made, the positions every block takes), which a checkpoint of those
+    blocks keeps until its backward."""
+
+    held: int
+    let_go: int
+
+
 def tracked_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -69,7 +81,7 @@ def tracked_step(
     strategy: Strategy,
     labelled: list[tuple[nn.Module, str]] | None = None,
     named: list[tuple[nn.Module, str]] | None = None,
-) -> tuple[dict[str, list[Phase]], Phase, dict[str, int]]:
+) -> tuple[dict[str, list[Phase]], Phase, dict[str, BlockStart]]:
     """The breakdowns of each moment of forward and backward (`Moments`, over the `labelled`
     blocks, the model's repeated blocks in order, each with its label), at the optimizer
     step's peak of a steady step, and the bytes that checkpointing may free as each of the
@@ -126,6 +138,7 @@ def tracked_step(
         # the output is held through backward and the optimizer step, as a loop holding it
         # does (`outputs = model(**batch); outputs.loss.backward()`)
         output = [call_model(model, batch)]
+        moments.returned()
         moments.mark(LOSS)
         loss = compute_loss(output[0], batch, setup.loss_fn)
         moments.mark(HEAD)
@@ -161,6 +174,10 @@ def tracked_step(
     }
     return with_created, step, moments.starts()
 
+
+# A block's input as `Moments` follows it: a reference to its storage, which dies with it, and
+# the storage's bytes
+_Input = tuple["weakref.ref[torch.UntypedStorage]", int]
 
 # Labels of the moments of forward and backward (`Moments`)
 FORWARD = "forward"  # up to the first block
@@ -203,6 +220,12 @@ class Moments:
         # the activations and temporaries alive as each named block's forward began, by its
         # name, in the order they ran
         self.held_at: list[tuple[str, int]] = []
+        # the named blocks' inputs, by storage: a reference that dies with it, and its bytes
+        self.inputs: dict[int, _Input] = {}
+        # the earlier blocks' inputs alive as each named block's forward began, in the order
+        # they ran; then, once the model returned, the bytes of those it let go of
+        self.inputs_at: list[list[_Input]] = []
+        self.let_go: list[int] = []
         self.seen: dict[str, Phase] = {}
         self.label: str | None = FORWARD
         self.in_backward = False
@@ -246,18 +269,31 @@ class Moments:
         tracker_reset_peak(self.tracker)
         self.label = label
 
-    def starts(self) -> dict[str, int]:
-        """The activations and temporaries alive as each named block's forward began, by the
-        block's name: what checkpointing the first k blocks lets go of is the difference at the
-        k-th between the runs with none and with every block checkpointed
+    def starts(self) -> dict[str, BlockStart]:
+        """What was alive as each named block's forward began, by the block's name: what
+        checkpointing the first k blocks lets go of is the difference of the activations and
+        temporaries at the k-th between the runs with none and with every block checkpointed
         (`estimate.checkpointing_frees`). Not where the last one ends: a forward hook's
-        arguments still hold the block's input there, which its forward let go of. Empty where
-        the blocks did not run once each, in their order (a block called twice, blocks run out
-        of order)."""
+        arguments still hold the block's input there, which its forward let go of. Of the
+        earlier blocks' inputs alive there, what the model let go of as it returned
+        (`returned`) both runs held at the k-th block's start, and only the checkpoints keep
+        after it (`estimate.checkpointing_keeps`). Empty where the blocks did not run once
+        each, in their order (a block called twice, blocks run out of order), or the model's
+        return was not seen."""
         names = [name for _, name in self.named]
         if not names or [name for name, _ in self.held_at] != names:
             return {}
-        return dict(self.held_at)
+        if len(self.let_go) != len(names):
+            return {}
+        return {
+            name: BlockStart(held, let_go)
+            for (name, held), let_go in zip(self.held_at, self.let_go, strict=True)
+        }
+
+    def returned(self) -> None:
+        """The model returned: of the earlier blocks' inputs alive as each named block began,
+        the bytes now let go of (`BlockStart.let_go`)."""
+        self.let_go = [sum(n for ref, n in alive if ref() is None) for alive in self.inputs_at]
 
     @contextmanager
     def marked(self) -> Iterator[None]:
@@ -273,7 +309,8 @@ class Moments:
             )
         ]
         handles += [
-            block.register_forward_pre_hook(self._keep_held(name)) for block, name in self.named
+            block.register_forward_pre_hook(self._keep_held(name), with_kwargs=True)
+            for block, name in self.named
         ]
         try:
             yield
@@ -282,13 +319,27 @@ class Moments:
                 handle.remove()
 
     def _keep_held(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             # not a checkpointed block's forward run again in backward
             if not self.in_backward:
                 phase = _phase(self.tracker, "current")
                 self.held_at.append((name, phase.activations + phase.temporaries))
+                self.inputs_at.append([i for i in self.inputs.values() if i[0]() is not None])
+                self._keep_inputs((args, kwargs))
 
         return hook
+
+    def _keep_inputs(self, inputs: Any) -> None:
+        """A block's tensor inputs, by storage, as a checkpoint of it keeps them: references
+        that die with them (as the trackers' own), which tell whether the model let go of
+        them as it returned (`returned`)."""
+        for tensor in tree_leaves(inputs):
+            if stored(tensor):
+                storage = tensor.untyped_storage()
+                key = storage_key(storage)
+                # not one let go of whose place a later storage took
+                if key not in self.inputs or self.inputs[key][0]() is None:
+                    self.inputs[key] = (weakref.ref(storage), storage.nbytes())
 
     def _forward_starts(self, label: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
