@@ -183,6 +183,17 @@ CONTIGUOUS_COPIES = frozenset(
     )
     if op is not None
 )
+# Elementwise operators on CPU given tensors of more than one dtype (a residual stream in fp32
+# plus a layer's bf16 output under autocast, a boolean mask multiplied in): TensorIterator copies
+# each input not of the common dtype into a temporary of it for the call
+# (`promote_inputs_to_common_dtype`; on the CPU only, CUDA's kernels cast as they load). Torch
+# 2.13, a 4x32x32 fp32 tensor plus a bf16 one, either way round, or times a boolean or int64 one:
+# a 16,384 B copy; a bf16 one plus an fp32 row broadcast over it: its own copy, 16,384 B. A
+# random-zoo model under bf16 autocast on one thread held such a copy at its forward's peak,
+# which read 5,684 B under the allocator's (with two threads a matrix product's larger workspace
+# hid it). Probed where they meet (`promotes`; a tensor of no dimensions is copied too, but that
+# is one element); not where the call writes into an argument (in place, `out=`: checking a
+# probe's size runs the call once on the fake arguments).
 CUDA_IN_PLACE = frozenset(
     op
     for op in (
@@ -304,7 +315,24 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
         isinstance(a, torch.Tensor) and not dense(a) for a in args
     ):
         return True
+    if device.type == "cpu" and promotes(func, args):
+        return True
     return any(isinstance(a, torch.Tensor) and expanded(a) for a in args) and copies_expanded(func)
+
+
+def promotes(func: Any, args: Any) -> bool:
+    """Whether `func` is an elementwise operator given tensors of more than one dtype, which on
+    CPU it copies to their common one for the call (see above), and leaves every argument as it
+    was, drawing no random numbers (a generator passed to it would move)."""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim()}
+    if len(dtypes) < 2 or getattr(func, "namespace", None) != "aten":
+        return False  # a higher-order operator has neither tags nor a schema
+    tags = func.tags
+    return (
+        torch.Tag.pointwise in tags
+        and torch.Tag.nondeterministic_seeded not in tags
+        and not mutates(func)
+    )
 
 
 def dense(x: torch.Tensor) -> bool:
