@@ -341,6 +341,15 @@ def mutates(op: Any) -> bool:
     return bool(op._schema.is_mutable)
 
 
+def argument_of(op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The value of operator overload `op`'s argument `name` in a call with `args` and `kwargs`:
+    as given, else its default (None where `op` takes no such argument)."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, argument.default_value)
+    return None
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was made from (None: not a view)."""
     return tensor._base if tensor._is_view() else None

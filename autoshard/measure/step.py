@@ -100,7 +100,8 @@ def tracked_step(
 
     A loop keeps the output until the next one replaces it (`outputs = model(**batch)` of the
     next step or micro-batch): what it holds after backward is alive through the next forward
-    beside what that forward makes (`carried`), up to the model's return."""
+    beside what that forward makes (`carried`), up to the model's return; and the loss, through
+    the optimizer step and the next forward, until the next loss replaces it."""
     FSDPMemTracker, MemTracker = mem_trackers()
 
     from autoshard.strategies.engines import autocast_hooks
@@ -140,16 +141,16 @@ def tracked_step(
         output = [call_model(model, batch)]
         moments.returned()
         moments.mark(LOSS)
-        loss = compute_loss(output[0], batch, setup.loss_fn)
+        # held through backward and the optimizer step, as a loop holding it does
+        loss = [compute_loss(output[0], batch, setup.loss_fn)]
         moments.mark(HEAD)
-        loss.backward()
-        del loss
+        loss[0].backward()
         moments.mark(None)
         backward = moments.result()
         kept = [*model.parameters(), *model.buffers(), *inputs]
         if setup.checkpoint_all:
             return (
-                carried(backward, released(tracker, output, kept)),
+                carried(backward, *let_go(tracker, output, loss, kept)),
                 Phase(**dict.fromkeys(_TERMS, 0)),
                 moments.starts(),
             )
@@ -167,7 +168,7 @@ def tracked_step(
             temporaries=before.temporaries + added - created,
         )
         optimizer.zero_grad(set_to_none=not in_place)
-        backward = carried(backward, released(tracker, output, kept))
+        backward = carried(backward, *let_go(tracker, output, loss, kept))
     with_created = {
         label: [with_state(phase, created) for phase in phases]
         for label, phases in backward.items()
@@ -360,6 +361,16 @@ class Moments:
         return hook
 
 
+def let_go(
+    tracker: Any, output: list[Any], loss: list[Any], kept: list[torch.Tensor]
+) -> tuple[int, int]:
+    """Bytes the step's output and its loss (each the one item of its list, let go here) alone
+    hold after the step (`released`): the loss first, and of it only what the output does not
+    reach (a model's own loss, `output.loss`, is the output's)."""
+    of_loss = released(tracker, loss, [*kept, *tensors_reached(output[0], outside=kept)])
+    return released(tracker, output, kept), of_loss
+
+
 def released(tracker: Any, output: list[Any], kept: list[torch.Tensor]) -> int:
     """Bytes the step's output (the one item of `output`, let go here) alone holds after the
     step: what the tracker frees as it goes (with a graph its tensors keep: a checkpointed
@@ -378,15 +389,20 @@ def released(tracker: Any, output: list[Any], kept: list[torch.Tensor]) -> int:
     return max(before - total(tracker, "current"), floor)
 
 
-def carried(moments: dict[str, list[Phase]], size: int) -> dict[str, list[Phase]]:
+def carried(moments: dict[str, list[Phase]], size: int, loss: int = 0) -> dict[str, list[Phase]]:
     """The `moments` with `size` bytes more alive through each moment of the forward: the
     previous step's output (`released`), which a loop lets go only once the model returns the
-    next one. Counted with the activations, as the output held through backward is."""
+    next one; and `loss` bytes more through those and the loss's own moment: the previous step's
+    loss, let go only once the next one is computed (`loss = loss_fn(output, batch)`). A loss is
+    one number, but the one some kernels return keeps the buffer of the unreduced loss, the
+    output's size (`workspace.KEEPS_UNREDUCED`: mse's). Counted with the activations, as the
+    output held through backward is."""
+
+    def held(label: str) -> int:
+        return size + loss if in_forward(label) else loss if label == LOSS else 0
+
     return {
-        label: [
-            replace(phase, activations=phase.activations + size) if in_forward(label) else phase
-            for phase in phases
-        ]
+        label: [replace(phase, activations=phase.activations + held(label)) for phase in phases]
         for label, phases in moments.items()
     }
 

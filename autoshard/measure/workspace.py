@@ -8,15 +8,16 @@ Measured on torch 2.13's CPU build (this machine has no native bf16): a bf16 3x3
 16x16x32x32 input holds 4.5 MiB beyond its 0.5 MiB output, which put a checkpointed ResNet's
 estimate 35% under its peak.
 
-For the operators known to use a workspace (`OPERATORS`; `MATMULS` and `ACCUMULATIONS` in bf16
-or fp16 on CPU; any operator but an elementwise one, a reduction or a view given an expanded
-tensor, which it may copy: `copies_expanded`), each distinct call (operator, shapes, strides,
-dtypes, other arguments) is run once for real on the planned device, on zero-filled tensors (or,
-where the workspace depends on the values, `FILLERS`, on values that take the kernel's hungriest
-path), and the bytes it held beyond its outputs are measured: on CUDA from the allocator's peak
-statistics, on CPU from the profiler's memory events (the CPU allocator keeps no statistics).
-The default random generators are left as they were (fused attention draws its dropout from
-them).
+For the operators known to use a workspace (`OPERATORS`; losses and others that compute through
+operators of their own, `COMPOSED`; `MATMULS` and `ACCUMULATIONS` in bf16 or fp16 on CPU;
+reductions that convert their input on CPU, and every reduction on CUDA; any operator but an
+elementwise one, a reduction or a view given an expanded tensor, which it may copy:
+`copies_expanded`), each distinct call (operator, shapes, strides, dtypes, other arguments) is
+run once for real on the planned device, on zero-filled tensors (or, where the workspace depends
+on the values, `FILLERS`, on values that take the kernel's hungriest path), and the bytes it
+held beyond its outputs are measured: on CUDA from the allocator's peak statistics, on CPU from
+the profiler's memory events (the CPU allocator keeps no statistics). The default random
+generators are left as they were (fused attention draws its dropout from them).
 Inside the simulation each such call then allocates a fake block of that size for its duration,
 so the tracker counts it at the moment it happens. Where the planned device is not this machine's
 (what-if planning for CUDA without a GPU) nothing can be run, and the count of unmeasured calls is
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from autoshard._torch_compat import (
     TorchDispatchMode,
     allocation_tag,
+    argument_of,
     disable_current_modes,
     missing,
     mutates,
@@ -165,6 +167,17 @@ REDUCED = (torch.bfloat16, torch.float16)
 # with `accumulate` sorts its indices (int64 copies) and copies its values where the indexed
 # dimensions are not adjacent (`index_put_with_sort_kernel`). Out of place the simulation held a
 # copy of the destination, which hid part of it; in place nothing was probed.
+CUDA_IN_PLACE = frozenset(
+    op
+    for op in (
+        aten.masked_scatter_.default,
+        aten.index_put_.default,
+        op_overload("_index_put_impl_"),
+        aten.index_add_.default,
+        aten.scatter_add_.default,
+    )
+    if op is not None
+)
 # Operators whose kernel makes a dense copy of an input not laid out contiguously, for the call:
 # softmax, log-softmax, layer norm and RMS norm, forward and backward (torch 2.13's CPU build,
 # a 4x512x64 fp32 input transposed from 4x64x512: each held one copy of it beyond its outputs;
@@ -194,17 +207,61 @@ CONTIGUOUS_COPIES = frozenset(
 # hid it). Probed where they meet (`promotes`; a tensor of no dimensions is copied too, but that
 # is one element); not where the call writes into an argument (in place, `out=`: checking a
 # probe's size runs the call once on the fake arguments).
-CUDA_IN_PLACE = frozenset(
-    op
-    for op in (
-        aten.masked_scatter_.default,
-        aten.index_put_.default,
-        op_overload("_index_put_impl_"),
-        aten.index_add_.default,
-        aten.scatter_add_.default,
+
+# Kernels that compute through other operators of their own, which the dispatcher (and so the
+# tracker) sees as one call and fake tensors run as one: what they hold between them is the
+# kernel's. Losses reduced to a number keep the unreduced loss (`mse_loss(x, y)` the squared
+# differences), logsumexp `x - max`, dist `x - y`, renorm the norms' copy. Torch 2.13's CPU build,
+# 4x32x64 inputs, beyond their outputs, in inputs' sizes: fp32 mse, smooth-L1 and Huber 1.0,
+# binary cross-entropy with logits 2.0, logsumexp 1.03, dist 1.0, soft-margin's backward 2.0;
+# bf16 (the mean through an fp32 copy, below) mse, smooth-L1 and Huber 3.0, binary
+# cross-entropy and soft-margin 2.0, renorm 2.0. With the buffer the result keeps
+# (`KEEPS_UNREDUCED`), a model trained on its output's mse read 24% under the allocator's peak in
+# fp32 without them, 12% in bf16. On CUDA the same kernels hold the same
+# intermediates: probed there as anywhere. Those that decompose before the dispatcher sees them
+# (`l1_loss`, `kl_div`, `cosine_similarity`, cross-entropy's log-softmax and NLL) are seen piece
+# by piece and need nothing.
+COMPOSED = frozenset(
+    (
+        aten.mse_loss.default,
+        aten.smooth_l1_loss.default,
+        aten.huber_loss.default,
+        aten.soft_margin_loss.default,
+        aten.soft_margin_loss_backward.default,
+        aten.binary_cross_entropy.default,
+        aten.binary_cross_entropy_with_logits.default,
+        aten.multi_margin_loss.default,
+        aten.logsumexp.default,
+        aten.dist.default,
+        aten.renorm.default,
     )
-    if op is not None
 )
+# Of those, the losses whose reduced output (one number) keeps the buffer the unreduced loss was
+# written into: mse and smooth-L1 (their structured kernel sizes the output for the elementwise
+# loss, then resizes it to no dimensions, and a storage never shrinks), soft-margin and binary
+# cross-entropy (`resize_as_` of an output made like the input), CPU and CUDA kernels alike
+# (torch 2.11 to 2.15). The loss a loop holds (`loss = F.mse_loss(out, target)`) holds as much as
+# the model's output; fake kernels give it 4 bytes. Huber's, made apart, keeps nothing.
+KEEPS_UNREDUCED = frozenset(
+    (
+        aten.mse_loss.default,
+        aten.smooth_l1_loss.default,
+        aten.soft_margin_loss.default,
+        aten.binary_cross_entropy.default,
+    )
+)
+# Reductions (the operators torch tags so: sum, mean, norms, ...) and the running sum and product.
+# On CPU one whose input is not of the type it computes in copies the input into that type first
+# (`make_reduction`): given a `dtype` other than its input's (`x.sum(dtype=torch.float32)`), or
+# summing booleans or integers, which it does in int64 (`mask.sum(-1)`, `mask.cumsum(-1)`: 8
+# times a boolean input); and a bf16 or fp16 mean sums an fp32 copy of its input (`mean_out`):
+# 2.06 times a bf16 input beyond its output (torch 2.13; the random zoo's r27, a classifier
+# pooling its last block's output, sharded in bf16, read 1.4% under the allocator's peak for it).
+# On CUDA a reduction split across thread blocks stages its partial results in a buffer from the
+# caching allocator (`Reduce.cuh`), a scan its temporary storage, and one given another dtype
+# copies its input as on CPU (but for bf16 or fp16 to fp32): every one is probed there.
+SCANS = frozenset((aten.cumsum.default, aten.cumprod.default))
+FULL_PRECISION = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 def skew_symmetric_on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -279,7 +336,7 @@ class Workspace(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in GLOO_BUFFERS and self.device.type == "cpu":
             return _held_during(GLOO_BUFFERS[func](*args[:2]), self.device, func, args, kwargs)
-        if not _has_workspace(func, args, self.device):
+        if not _has_workspace(func, args, kwargs, self.device):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor first turns it into the local call, which comes back
@@ -289,6 +346,8 @@ class Workspace(TorchDispatchMode):
         """`func`'s result, with its workspace (measured once per distinct call) held during it;
         where it cannot be measured, without, and the call noted."""
         call = _col2im_into_input_buffer if func is COL2IM else func
+        if func in KEEPS_UNREDUCED:
+            call = _into_unreduced_buffer(func)
         key = (self.device.type, str(func), describe_call(args, kwargs))
         cannot = self.cannot
         if key not in _measured and cannot is None:
@@ -302,8 +361,10 @@ class Workspace(TorchDispatchMode):
         return _held_during(nbytes, self.device, call, args, kwargs)
 
 
-def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
-    if func in OPERATORS or (func in CUDA_IN_PLACE and device.type == "cuda"):
+def _has_workspace(func: Any, args: Any, kwargs: Any, device: torch.device) -> bool:
+    if func in OPERATORS or func in COMPOSED or (func in CUDA_IN_PLACE and device.type == "cuda"):
+        return True
+    if (reduces(func) or func in SCANS) and (device.type == "cuda" or converts(args, kwargs)):
         return True
     if (
         (func in MATMULS or func in ACCUMULATIONS)
@@ -318,6 +379,25 @@ def _has_workspace(func: Any, args: Any, device: torch.device) -> bool:
     if device.type == "cpu" and promotes(func, args):
         return True
     return any(isinstance(a, torch.Tensor) and expanded(a) for a in args) and copies_expanded(func)
+
+
+def reduces(func: Any) -> bool:
+    """Whether `func` is a reduction (torch's tag) that leaves its arguments as they were."""
+    if getattr(func, "namespace", None) != "aten":
+        return False  # a higher-order operator has neither tags nor a schema
+    return torch.Tag.reduction in func.tags and not mutates(func)
+
+
+def converts(args: Any, kwargs: Any) -> bool:
+    """Whether a reduction on CPU works on a converted copy of its input (the first tensor): one
+    given a `dtype` other than its own, one not of full precision (booleans and integers are
+    summed in int64, a bf16 or fp16 mean in fp32; a probe of one that converts nothing finds
+    nothing held)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        return False
+    dtype = kwargs.get("dtype")
+    return first.dtype not in FULL_PRECISION or (dtype is not None and dtype != first.dtype)
 
 
 def promotes(func: Any, args: Any) -> bool:
@@ -420,6 +500,25 @@ def _col2im_into_input_buffer(
     return COL2IM.overloadpacket.out(input, output_size, kernel_size, *more, out=output)
 
 
+def _into_unreduced_buffer(func: Any) -> Callable[..., Any]:
+    """`func` (a loss, `KEEPS_UNREDUCED`) with its output, where reduced, in a new buffer the size
+    of the unreduced loss (its input and target broadcast), as the real kernel leaves it; on the
+    current modes' tensors: fake inside the simulation."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = func(*args, **kwargs)
+        if argument_of(func, "reduction", args, kwargs) == _NO_REDUCTION:
+            return result
+        numel = math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape))
+        buffer = torch.empty(numel, dtype=result.dtype, device=result.device)
+        return buffer.as_strided(result.shape, result.stride()).copy_(result)
+
+    return call
+
+
+_NO_REDUCTION = 0  # `reduction="none"` as the aten operators take it
+
+
 def unmeasured_note(device: torch.device) -> str | None:
     """A note for the plan on the calls met (since the last note) whose workspace is not in the
     estimate, else None."""
@@ -428,7 +527,8 @@ def unmeasured_note(device: torch.device) -> str | None:
     if not reasons:
         return None
     why = "; ".join(sorted(set(reasons)))
-    kinds = "convolution, batch-norm, matrix-product, linear-algebra, attention, FFT or copying"
+    kinds = "convolution, batch-norm, matrix-product, linear-algebra, attention, FFT, loss, "
+    kinds += "reduction or copying"
     calls = f"{len(reasons)} distinct {kinds} call(s)"
     return f"kernel workspace of {calls} not counted ({why})"
 
