@@ -133,6 +133,16 @@ SYMBOLS: dict[str, Symbol] = {
         name: Symbol(f"torch:ops.aten.{name}", "the FFT's copy of an input not laid out for it")
         for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r")
     },
+    **{
+        name: Symbol(f"torch:ops.aten.{name}", "the buffers an upsampling kernel holds")
+        for name in (
+            "_upsample_nearest_exact1d",
+            "_upsample_nearest_exact2d",
+            "_upsample_nearest_exact3d",
+            "_upsample_bilinear2d_aa",
+            "_upsample_bicubic2d_aa",
+        )
+    },
     # Graceful where absent: the CTC loss is refused by fake tensors (left to the formulas).
     "_ctc_loss": Symbol("torch:ops.aten._ctc_loss", "the CTC loss's variables in the simulation"),
     # Graceful where absent: the kernel's copy of an input not laid out for it is not probed.

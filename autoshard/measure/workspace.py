@@ -114,7 +114,26 @@ ATTENTION = tuple(
 # its input's size (a quarter of an fp32 attention matrix) and its rows' `all` beside the
 # softmax; a checkpointed block's recomputation puts it at the backward's peak (Doge and
 # DeepSeek-V3 on CPU, every block checkpointed: 2.7% and 2.4% under the allocator's peak).
+# Resampling an image (`F.interpolate`, `UPSAMPLING`): on CPU, twice the size of an 8x64x32x32
+# input laid out NCHW, nearest, nearest-exact and bilinear held 5 times the input beyond their
+# output (channels-last, or three times the size: nothing), bilinear down to half 1.25 times,
+# antialiased bilinear twice (fp32 and bf16 alike; 1d and 3d, bicubic: next to nothing); a
+# decoder upsampling its features (a U-Net's, an FPN's) peaks there. `roll` over k dimensions
+# rolls one at a time through k - 1 copies (Swin's shifted windows roll over two: one copy of the
+# hidden states). `isinf` compares the absolute values' copy.
 # Any other operator is passed through untouched, but for an expanded input (`copies_expanded`).
+UPSAMPLING = (
+    aten.upsample_nearest1d.default,
+    aten.upsample_nearest2d.default,
+    aten.upsample_nearest3d.default,
+    aten.upsample_linear1d.default,
+    aten.upsample_bilinear2d.default,
+    aten.upsample_bicubic2d.default,
+    aten.upsample_trilinear3d.default,
+    *map(op_overload, ("_upsample_nearest_exact1d", "_upsample_nearest_exact2d")),
+    *map(op_overload, ("_upsample_nearest_exact3d", "_upsample_bilinear2d_aa")),
+    op_overload("_upsample_bicubic2d_aa"),
+)
 OPERATORS = frozenset(
     op
     for op in (
@@ -139,6 +158,9 @@ OPERATORS = frozenset(
         getattr(aten, "miopen_batch_norm_backward", None),
         *ATTENTION,
         *(op_overload(name) for name in ("_fft_r2c", "_fft_c2c", "_fft_c2r", "_safe_softmax")),
+        *UPSAMPLING,
+        aten.roll.default,
+        aten.isinf.default,
     )
     if op is not None
 )
@@ -527,8 +549,8 @@ def unmeasured_note(device: torch.device) -> str | None:
     if not reasons:
         return None
     why = "; ".join(sorted(set(reasons)))
-    kinds = "convolution, batch-norm, matrix-product, linear-algebra, attention, FFT, loss, "
-    kinds += "reduction or copying"
+    kinds = "convolution, batch-norm, matrix-product, linear-algebra, attention, FFT, "
+    kinds += "resampling, loss, reduction or copying"
     calls = f"{len(reasons)} distinct {kinds} call(s)"
     return f"kernel workspace of {calls} not counted ({why})"
 
