@@ -225,6 +225,9 @@ def test_trial_step_restores_everything_bitwise(
         assert r["rng_equal"], "the CPU RNG state is what it was before prepare()"
         assert r["attributes_kept"], "what the forward keeps on the model is as it was"
         assert r["block_cache_kept"], "an attribute the forward set is as it was"
+        # a hook the forward registered with the mark it sets: both put back, or the next forward
+        # registers it again beside the one left (transformers 5: every hidden state twice)
+        assert r["own_hooks_kept"], "the model's own forward hooks are as they were"
         # FSDP2 registers its state-dict hooks in its first forward, the trial's: they stay
         assert (r["state_dict_hooks"] > 0) == (strategy in FSDP), r["state_dict_hooks"]
 

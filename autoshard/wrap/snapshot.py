@@ -134,6 +134,9 @@ _CONTAINERS = frozenset({dict, collections.OrderedDict, collections.defaultdict,
 # nn.Module's own bookkeeping in a module's __dict__ (its registries of parameters, submodules and
 # hooks), besides the buffers' registry, which a forward may reassign like any attribute
 _MODULE_OWN = frozenset(vars(nn.Module())) - {"_buffers"}
+# Of those, the registries of forward and backward hooks (and the flag a backward hook sets),
+# which no engine fills in a forward (FSDP2's and DDP's are registered as they wrap)
+_STEP_HOOKS = frozenset(name for name in _MODULE_OWN if "hook" in name and "state_dict" not in name)
 
 
 @contextlib.contextmanager
@@ -150,10 +153,15 @@ def attributes_kept(model: nn.Module, *, engines_run: bool = False) -> Iterator[
     something else by it. An object of another kind keeps what the forward left in it.
 
     `engines_run`: the model is wrapped and the engines' own state must stay as the step left
-    it. nn.Module's registries of parameters, submodules and hooks, and the state torch's
-    composable APIs keep under "__" names, are left alone: FSDP2 swaps its gathered parameters
-    in and out of `_parameters` and registers state-dict hooks on its first forward. The
-    buffers' registry is still put back."""
+    it. nn.Module's registries of parameters, submodules and state-dict hooks, and the state
+    torch's composable APIs keep under "__" names, are left alone: FSDP2 swaps its gathered
+    parameters in and out of `_parameters` and registers state-dict hooks on its first forward.
+    The buffers' registry is still put back, and so are the forward and backward hooks'
+    (`_STEP_HOOKS`): the engines register theirs as they wrap, and what a forward adds there is
+    the model's own, which an attribute it sets often stands for (transformers 5 installs its
+    output-capturing hooks on its first forward and marks the model: with the mark put back and
+    the hooks left, the next forward installed them again, every hidden state was captured
+    twice, and Segformer's head, which reads them all, failed)."""
     # No recursive closure: a function that calls itself is a reference cycle, and the copies
     # (the user's parameters among them) would outlive this call until the next collection,
     # after FSDP has replaced the parameters with their shards (seen: 3.3 MiB of a 26.6 MiB
@@ -165,7 +173,7 @@ def attributes_kept(model: nn.Module, *, engines_run: bool = False) -> Iterator[
     for module in model.modules():
         attributes = vars(module)
         if engines_run:
-            users = {k: v for k, v in attributes.items() if _users(k)}
+            users = {k: v for k, v in attributes.items() if _users(k) or k in _STEP_HOOKS}
             entries.append((attributes, users))
             pending.extend(users.values())
         else:

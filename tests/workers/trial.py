@@ -333,9 +333,21 @@ for _strategy in ("auto", "full_shard"):
 #    gradients; with and without an OOM fallback; with a fresh optimizer and one that has state
 
 
+def _block_seen(module: nn.Module, args: Any, output: Any) -> None:
+    """A forward hook a model's own forward registers (as transformers 5 installs its
+    output-capturing hooks on its first call)."""
+
+
+def _own_hooks(model: nn.Module) -> tuple[int, Any]:
+    """How many `_block_seen` hooks the first block holds, and the mark the model sets with them."""
+    hooks = model.blocks[0]._forward_hooks.values()
+    return sum(hook is _block_seen for hook in hooks), vars(model).get("hooked")
+
+
 class KeepingNet(Net):
     """Net whose forward keeps what user code keeps on its modules: a count of its calls, a list
-    of the batch sizes it saw, an attribute it sets on its first call, a block's cache."""
+    of the batch sizes it saw, an attribute it sets on its first call, a block's cache, a hook
+    it registers on its first call (and marks itself so)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -347,6 +359,9 @@ class KeepingNet(Net):
         self.rows_seen.append(x.shape[0])
         self.first_rows = getattr(self, "first_rows", x.shape[0])
         self.blocks[0].cache = {"rows": x.shape[0]}
+        if not getattr(self, "hooked", False):
+            self.blocks[0].register_forward_hook(_block_seen)
+            self.hooked = True
         return super().forward(x, y)
 
 
@@ -361,6 +376,7 @@ def _restore(strategy: str, stateful: bool, oom: str | None) -> dict[str, Any]:
         train(model, optimizer, [fixed_batch(16)] * 2)
     kept = (model.calls, list(model.rows_seen), vars(model).get("first_rows"))
     cache = vars(model.blocks[0]).get("cache")  # set by the stateful steps, else absent
+    hooks = _own_hooks(model)  # (1, True) after the stateful steps, else (0, None)
     names = {id(p): n for n, p in model.named_parameters()}
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -418,6 +434,7 @@ def _restore(strategy: str, stateful: bool, oom: str | None) -> dict[str, Any]:
         "rng_equal": torch.equal(rng, rng_after),
         "attributes_kept": (model.calls, model.rows_seen, vars(model).get("first_rows")) == kept,
         "block_cache_kept": vars(model.blocks[0]).get("cache") == cache,
+        "own_hooks_kept": _own_hooks(model) == hooks,
         "state_dict_hooks": sum(len(m._state_dict_pre_hooks) for m in model.modules()),
     }
 
