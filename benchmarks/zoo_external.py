@@ -25,7 +25,13 @@ The families, and what each exercises:
 - `vit`: ViTForImageClassification.
 - `convnext`: ConvNextForImageClassification, depthwise 7x7 convolutions, LayerNorm, stages.
 - `resnet_hf`: ResNetForImageClassification, BatchNorm (running statistics are buffers).
+- `swin`: SwinForImageClassification, windowed attention whose every other block shifts its
+  windows (`torch.roll` over two dimensions), patch merging between stages.
+- `segformer`: SegformerForSemanticSegmentation, a pixel-wise head: each stage's features
+  upsampled bilinearly to a quarter of the image, the logits to the labels' size for the loss.
 - `resnext`: a hand-written ResNeXt (grouped 3x3 convolutions, BatchNorm) in plain torch.
+- `denoiser`: a hand-written convolutional U-Net in plain torch (nearest upsampling, skip
+  connections), trained as a diffusion model is: `F.mse_loss` of the predicted noise.
 - `lora`: PEFT LoRA (rank 8) on a Llama: the base frozen, only the adapters train (peft is a
   `bench` extra; without it this entry raises ImportError naming it).
 - `frozen_gpt2`: GPT2LMHeadModel with its embeddings and first block frozen.
@@ -361,6 +367,38 @@ def resnet_hf(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
     return ResNetForImageClassification(config), _image_batch(n, g, 64, 10)
 
 
+def swin(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(
+        image_size=32,
+        patch_size=2,
+        embed_dim=32,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=4,
+        num_labels=10,
+    )
+    return SwinForImageClassification(config), _image_batch(n, g, 32, 10)
+
+
+def segformer(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(
+        depths=[1, 1, 2, 1],
+        hidden_sizes=[16, 32, 64, 128],
+        num_attention_heads=[1, 2, 4, 8],
+        decoder_hidden_size=64,
+        num_labels=10,
+    )
+    batch = {
+        "pixel_values": torch.randn(n, 3, 64, 64, generator=g),
+        "labels": torch.randint(10, (n, 64, 64), generator=g),
+    }
+    return SegformerForSemanticSegmentation(config), batch
+
+
 class ResNeXtBlock(nn.Module):
     """Bottleneck with a grouped 3x3 convolution (Xie et al. 2017) and BatchNorm."""
 
@@ -398,6 +436,64 @@ class ResNeXt(nn.Module):
 def resnext(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
     images = torch.randn(n, 3, 32, 32, generator=g)
     return ResNeXt(), (images, torch.randint(10, (n,), generator=g))
+
+
+class DenoiserStage(nn.Module):
+    """Two 3x3 convolutions with GroupNorm and SiLU, and a residual connection."""
+
+    def __init__(self, into: int, out: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.GroupNorm(4, into),
+            nn.SiLU(),
+            nn.Conv2d(into, out, 3, padding=1),
+            nn.GroupNorm(4, out),
+            nn.SiLU(),
+            nn.Conv2d(out, out, 3, padding=1),
+        )
+        self.skip = nn.Conv2d(into, out, 1) if into != out else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(x) + self.body(x)
+
+
+class Denoiser(nn.Module):
+    """A small U-Net: down by strided convolutions, up by nearest upsampling, the encoder's
+    features concatenated in; it predicts the noise added to its input."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(3, width, 3, padding=1)
+        self.down = nn.ModuleList([DenoiserStage(width, width), DenoiserStage(width, 2 * width)])
+        self.pool = nn.ModuleList(
+            [nn.Conv2d(width, width, 3, 2, 1), nn.Conv2d(2 * width, 2 * width, 3, 2, 1)]
+        )
+        self.mid = DenoiserStage(2 * width, 2 * width)
+        self.up = nn.ModuleList([DenoiserStage(4 * width, width), DenoiserStage(2 * width, width)])
+        self.out = nn.Conv2d(width, 3, 3, padding=1)
+
+    def forward(self, noisy: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.inp(noisy)
+        skips = []
+        for stage, pool in zip(self.down, self.pool, strict=True):
+            h = stage(h)
+            skips.append(h)
+            h = pool(h)
+        h = self.mid(h)
+        for stage in self.up:
+            h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+            h = stage(torch.cat([h, skips.pop()], dim=1))
+        return self.out(h)
+
+
+def _noise_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.mse_loss(output.float(), batch[1])
+
+
+def denoiser(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    images = torch.randn(n, 3, 32, 32, generator=g)
+    noise = torch.randn(n, 3, 32, 32, generator=g)
+    return Denoiser(), (images + noise, noise)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +629,10 @@ ENTRIES: dict[str, tuple[Factory, int, Callable[[Any, Any], torch.Tensor]]] = {
     "vit": (vit, 4, model_loss),
     "convnext": (convnext, 4, model_loss),
     "resnet_hf": (resnet_hf, 4, model_loss),
+    "swin": (swin, 4, model_loss),
+    "segformer": (segformer, 4, model_loss),
     "resnext": (resnext, 8, classification_loss),
+    "denoiser": (denoiser, 4, _noise_loss),
     "lora": (lora, 4, model_loss),
     "frozen_gpt2": (frozen_gpt2, 4, model_loss),
     "dict_out": (dict_out, 4, model_loss),
