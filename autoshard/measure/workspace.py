@@ -366,9 +366,7 @@ class Workspace(TorchDispatchMode):
     def _with_workspace(self, func: Any, args: Any, kwargs: Any) -> Any:
         """`func`'s result, with its workspace (measured once per distinct call) held during it;
         where it cannot be measured, without, and the call noted."""
-        call = _col2im_into_input_buffer if func is COL2IM else func
-        if func in KEEPS_UNREDUCED:
-            call = _into_unreduced_buffer(func)
+        call = _IN_BUFFERS.get(func, func)
         key = (self.device.type, str(func), describe_call(args, kwargs))
         cannot = self.cannot
         if key not in _measured and cannot is None:
@@ -538,6 +536,12 @@ def _into_unreduced_buffer(func: Any) -> Callable[..., Any]:
 
 
 _NO_REDUCTION = 0  # `reduction="none"` as the aten operators take it
+
+# The calls whose real output keeps a buffer larger than itself, as the simulation makes them
+_IN_BUFFERS: dict[Any, Callable[..., Any]] = {
+    COL2IM: _col2im_into_input_buffer,
+    **{op: _into_unreduced_buffer(op) for op in KEEPS_UNREDUCED},
+}
 
 
 def unmeasured_note(device: torch.device) -> str | None:
