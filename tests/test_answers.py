@@ -226,6 +226,64 @@ def test_a_mixture_of_experts_routed_by_torch_where_is_simulated(checkpointed: i
     assert abs(error) < 0.01, (plan.estimated_peak_bytes, plan.measured_peak_bytes)
 
 
+class _SpecAugment(nn.Module):
+    """Replaces a random quarter of its frames with a learned vector in training, as wav2vec2's
+    SpecAugment does (`hidden[mask] = embedding`): the vector's gradient in backward selects the
+    masked frames (`grad[mask]`), a `nonzero` asked by a backward formula, with no line of the
+    model's on the stack."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embedding = nn.Parameter(torch.randn(width))
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, frames: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        frames = frames.clone()
+        frames[torch.rand(frames.shape[:2]) < 0.25] = self.embedding
+        for block in self.blocks:
+            frames = frames + torch.relu(block(frames))
+        return torch.nn.functional.cross_entropy(self.head(frames).flatten(0, 1), labels.flatten())
+
+
+def _backward_of(model: nn.Module, frames: torch.Tensor, labels: torch.Tensor) -> None:
+    model(frames, labels).backward()
+
+
+def _backward_elsewhere(model: nn.Module, frames: torch.Tensor, labels: torch.Tensor) -> None:
+    model(frames, labels).backward()
+
+
+def test_what_a_backward_formula_finds_is_found_wherever_backward_is_called_from() -> None:
+    """The place of a backward formula's `nonzero` was the innermost frames outside torch and
+    autoshard: whatever called backward, which differs between the trace and the simulation
+    (a decorator of autoshard's, from the standard library). The simulation could not find the
+    share there, and wav2vec2 (its SpecAugment) was left to the formulas: +15% to +20% against
+    the allocator's peak on 2 gloo ranks, every strategy. A backward formula's is asked at ""."""
+    import autoshard
+
+    torch.manual_seed(0)
+    model = _SpecAugment()
+    frames, labels = torch.randn(4, 64, 64), torch.randint(0, 10, (4, 64))
+    with Recorder() as recorder:
+        _backward_of(model, frames[:2], labels[:2])
+    in_backward = [(found, searched) for place, found, searched in recorder.found() if not place]
+    assert len(in_backward) == 1 and in_backward[0][1] == 2 * 64, recorder.found()
+    with FakeTensorMode() as mode, pytest.raises(DynamicOutputShapeException):
+        _backward_elsewhere(_SpecAugment(), mode.from_tensor(frames), mode.from_tensor(labels))
+    with wider_fake_kernels("cpu", found=recorder.found()), FakeTensorMode() as mode:
+        _backward_elsewhere(_SpecAugment(), mode.from_tensor(frames), mode.from_tensor(labels))
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, _, plan = autoshard.prepare(
+        model, optimizer, (frames, labels), mixed_precision="no", activation_checkpointing=0
+    )
+    assert "not simulated" not in " ".join(plan.reasons), plan.reasons
+    assert plan.measured_peak_bytes is not None
+    error = plan.estimated_peak_bytes / plan.measured_peak_bytes - 1
+    assert abs(error) < 0.01, (plan.estimated_peak_bytes, plan.measured_peak_bytes)
+
+
 # ---------------------------------------------------------------------------------------------
 # The CTC loss: its saved variables' size is its longest target's, a value of the labels
 

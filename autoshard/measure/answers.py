@@ -92,6 +92,10 @@ _AUTOSHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.se
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _NN = os.path.join(_TORCH, "nn", "")
 _MACHINERY = (_AUTOSHARD, os.path.join(_NN, "modules", "module.py"))
+# Where autograd's engine is entered (`loss.backward()`, `torch.autograd.grad`): an operator of a
+# backward formula has no line of the model's between it and there, and none beyond it is the
+# model's (the callers of autoshard, of its trace and of its simulation, which differ)
+_AUTOGRAD = (os.path.join(_TORCH, "autograd", "graph.py"), "_engine_run_backward")
 
 
 def _model_code(filename: str) -> bool:
@@ -102,12 +106,16 @@ def _model_code(filename: str) -> bool:
 
 def asked_at() -> str:
     """Where the current read-back was asked for: the innermost frames of the model's code (the
-    line and its caller), as "file:line < file:line"; none beyond autoshard's call of the model."""
+    line and its caller), as "file:line < file:line"; none beyond autoshard's call of the model,
+    nor beyond autograd's engine: a backward formula's is asked at "" (as on a device's own
+    backward thread, where no Python frame is below the engine)."""
     places: list[str] = []
     frame: FrameType | None = inspect.currentframe()
     while frame is not None and len(places) < _FRAMES:
         name = frame.f_code.co_filename
         if places and name.startswith(_AUTOSHARD):
+            break
+        if (name, frame.f_code.co_name) == _AUTOGRAD:
             break
         if _model_code(name):
             places.append(f"{name}:{frame.f_lineno}")
