@@ -340,3 +340,24 @@ def test_adafactor_is_not_sharded(one_rank_group: None) -> None:
     model(batch).square().mean().backward()
     with pytest.raises(RuntimeError, match="aten.pow_.Scalar: in-place operations"):
         sharded.step()
+
+
+def test_rebinding_moves_a_scalar_parameter_s_state_but_not_its_step_count() -> None:
+    """`wrap.optim.rebind` moves state to the wrapped parameter's device, but for its shape:
+    a parameter of no dimension (kept whole under FSDP2, moved to the device) has state of the
+    same shape as Adam's `step`, which must stay where torch's optimizers keep it (on the CPU,
+    unless `capturable`)."""
+    from autoshard.wrap.optim import parameter_names, rebind
+
+    model = nn.Module()
+    model.scale = nn.Parameter(torch.tensor(1.5))
+    optimizer = torch.optim.Adam(model.parameters())
+    model.scale.grad = torch.tensor(0.25)
+    optimizer.step()
+    names = parameter_names(model)
+    moved = nn.Parameter(torch.empty((), device="meta"))
+    rebind(optimizer, names, {"scale": moved})
+    assert optimizer.param_groups[0]["params"] == [moved]
+    state = optimizer.state[moved]
+    assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
+    assert state["step"].device.type == "cpu" and float(state["step"]) == 1.0

@@ -38,7 +38,11 @@ def rebind(
     for param, state in old_state:
         target = mapping.get(id(param))
         if target is not None:
-            optimizer.state[target] = {k: _like(v, param, target) for k, v in state.items()}
+            optimizer.state[target] = {
+                # the step count keeps its device, a parameter of no dimension's shape or not
+                k: v if k == "step" else _like(v, param, target)
+                for k, v in state.items()
+            }
 
 
 def _like(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
