@@ -136,6 +136,30 @@ def test_forced_strategy_matches_single_process_reference(parity: Launch, strate
     assert_close(mean_losses(ranks), reference(parity), RTOL_FP32)
 
 
+@pytest.mark.parametrize(
+    "case", ["scalars_shard_grad_op", "scalars_full_shard", "scalars_full_shard_accumulating"]
+)
+def test_fsdp2_trains_a_model_with_parameters_of_no_dimension(parity: Launch, case: str) -> None:
+    """FSDP2 refuses to shard a parameter of no dimension (CLIP's logit_scale, a ReZero gate):
+    every sharding strategy was ruled out for such a model. They stay whole on every rank, their
+    gradients averaged as FSDP2 averages the others': the losses and the scalars after training
+    are the single process's, on both ranks alike, and with gradient sync off on a micro-batch."""
+    ranks = parity.case(case)
+    expected = reference(parity, "scalar_losses")
+    for r in ranks:
+        assert r["strategy"] == case.split("_", 1)[1].removesuffix("_accumulating")
+        assert r["is_fsdp"] and r["scalar_types"] == ["Parameter"], r
+        assert not any("fails in the planning simulation" in why for why in r["reasons"])
+    assert ranks[0]["losses"][0] != ranks[1]["losses"][0]
+    assert_close(mean_losses(ranks), expected, RTOL_FP32)
+    trained = parity.case("reference")[0]["scalars"]
+    assert len(trained) == 5  # four gates and the temperature
+    for r in ranks:
+        assert r["scalars"].keys() == trained.keys()
+        assert r["scalars"] == pytest.approx(trained, rel=RTOL_FP32, abs=0), r["scalars"]
+    assert ranks[0]["scalars"] == ranks[1]["scalars"]
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Activation checkpointing of 2 of 4 blocks changes memory, not the losses
 
@@ -434,6 +458,15 @@ def test_hybrid_shard_trains_on_a_2d_mesh_like_one_process(hybrid: Launch) -> No
         assert r["mesh_dims"] == ["replicate", "shard"]
         assert r["placements"] == ["R", "S(0)"]  # replicated across nodes, dim 0 sharded within
     assert_close(mean_losses(ranks), hybrid.case("reference")[0]["losses"], RTOL_FP32)
+
+
+def test_hybrid_shard_averages_parameters_of_no_dimension_over_the_2d_mesh(
+    hybrid: Launch,
+) -> None:
+    ranks = hybrid.case("hybrid_scalars")
+    assert {r["strategy"] for r in ranks} == {"hybrid_shard"}
+    assert_close(mean_losses(ranks), hybrid.case("reference")[0]["scalar_losses"], RTOL_FP32)
+    assert len(ranks[0]["scalars"]) == 5 and ranks[0]["scalars"] == ranks[1]["scalars"]
 
 
 def test_ranks_on_two_nodes_make_hybrid_a_candidate(hybrid: Launch) -> None:

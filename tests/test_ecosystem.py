@@ -19,7 +19,7 @@ from _dist import Launch, launch
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 import ecosystem  # noqa: E402
-from _common import build, global_batches, train  # noqa: E402
+from _common import ScalarNet, build, global_batches, train  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -64,6 +64,16 @@ def test_one_process_checkpoint_loads_under_full_shard(run: Launch) -> None:
 
 def test_full_shard_checkpoint_loads_under_full_shard(run: Launch) -> None:
     _no_problems(run.case("full_shard_loads_its_own"))
+
+
+def test_a_checkpoint_of_parameters_of_no_dimension_loads_under_full_shard_and_ddp(
+    run: Launch, out: Path
+) -> None:
+    """FSDP2 keeps them whole (`engines._kept_whole`): plain tensors beside the DTensors."""
+    for r, data in enumerate(run.case("scalars_round_trip")):
+        assert data == {"full_shard": [], "ddp": []}, f"rank {r}: not bitwise equal: {data}"
+    model, optimizer = build(lr=0.05, cls=ScalarNet)
+    assert ecosystem.loaded_matches("scalars", model, optimizer, out) == []
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])

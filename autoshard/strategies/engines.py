@@ -242,6 +242,7 @@ def shard_module(
                     mp_policy=norm,
                     offload_policy=offload,
                 )
+    whole = _kept_whole(module, mesh)
     for name in block_names:
         fully_shard(
             module.get_submodule(name),
@@ -249,10 +250,51 @@ def shard_module(
             reshard_after_forward=reshard,
             mp_policy=inner,
             offload_policy=offload,
+            ignored_params=whole,
         )
     # The root's resharding is left to torch's default (None: stay gathered, since backward needs
     # the root first), as torchtitan leaves it; `set_unit_resharding` keeps it so in place.
-    fully_shard(module, mesh=mesh, mp_policy=outer, offload_policy=offload)
+    fully_shard(module, mesh=mesh, mp_policy=outer, offload_policy=offload, ignored_params=whole)
+
+
+def _kept_whole(module: nn.Module, mesh: Any) -> set[nn.Parameter]:
+    """The parameters of no dimension (CLIP's and SigLIP's `logit_scale`, a learned temperature,
+    a ReZero gate), which FSDP2 has no dimension to shard by and refuses ("fully_shard doesn't
+    support scalar parameters"): every strategy that shards was ruled out for such a model. They
+    stay whole on every rank (`ignored_params`), the same object (the optimizer's), on the
+    device the units move to, and each gradient is averaged over the mesh as it is accumulated,
+    as FSDP2 averages the others (an average of a sum of micro-batches' averages is the
+    average of their sum: averaged in every backward, gradient sync off or on)."""
+    whole = {param for param in module.parameters() if param.dim() == 0}
+    if not whole:
+        return whole
+    device = _mesh_device(mesh)
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    size = mesh.size()
+
+    def average(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        for group in groups:  # summed over each dimension of the mesh: over all of it
+            dist.all_reduce(grad, group=group)
+        grad.div_(size)
+
+    for param in whole:
+        if param.device != device:
+            param.data = param.data.to(device)
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)
+    return whole
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device FSDP2 moves a unit's parameters to over `mesh` (the current one of its type)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
 
 
 def set_unit_resharding(module: nn.Module, reshard_after_forward: bool) -> None:

@@ -161,6 +161,34 @@ class Net(nn.Module):
         return {"loss": F.cross_entropy(self.head(h), y)}
 
 
+class GatedBlock(Block):
+    """A block whose residual branch is scaled by a learned number, a parameter of no dimension
+    (ReZero's gate, Bachlechner et al. 2020)."""
+
+    def __init__(self, width: int, **kwargs: Any) -> None:
+        super().__init__(width, **kwargs)
+        self.gate = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * self.fc2(F.gelu(self.fc1(self.norm(h))))
+
+
+class ScalarNet(Net):
+    """`Net` with parameters of no dimension: a gate in every block and a learned temperature
+    on the logits, as CLIP's `logit_scale` (FSDP2 shards neither)."""
+
+    def __init__(self, width: int = 32, depth: int = 4, **kwargs: Any) -> None:
+        super().__init__(width, depth, **kwargs)
+        self.blocks = nn.ModuleList(GatedBlock(width, **kwargs) for _ in range(depth))
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return {"loss": F.cross_entropy(self.head(h) * self.temperature, y)}
+
+
 def build(
     width: int = 32, depth: int = 4, *, lr: float = LR, cls: type[Net] = Net, **kwargs: Any
 ) -> tuple[Net, torch.optim.AdamW]:

@@ -16,7 +16,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Cases, build, error_of, full, is_fsdp, local_batches, rank, train
+from _common import (
+    Cases,
+    ScalarNet,
+    build,
+    error_of,
+    full,
+    is_fsdp,
+    local_batches,
+    rank,
+    train,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 import autoshard
@@ -61,10 +71,12 @@ def differences(actual: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     return problems
 
 
-def prepared(strategy: str, lr: float = 0.05) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A fresh model, wrapped; by default with another learning rate than the saved one, which
-    load must restore."""
-    model, optimizer = build(lr=lr)
+def prepared(
+    strategy: str, lr: float = 0.05, cls: type[torch.nn.Module] | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh model (`_common.Net`, or `cls`), wrapped; by default with another learning rate
+    than the saved one, which load must restore."""
+    model, optimizer = build(lr=lr) if cls is None else build(lr=lr, cls=cls)
     wrapped, optimizer, _ = autoshard.prepare(
         model,
         optimizer,
@@ -116,6 +128,20 @@ def ddp_loads_full_shard() -> dict[str, Any]:
     train(model, optimizer, local_batches(STEPS))
     save_with_reference("ddp", model, optimizer)
     return {"type": type(model).__name__, "problems": problems, "changed": len(changed)}
+
+
+@cases.case
+def scalars_round_trip() -> dict[str, Any]:
+    """A model with parameters of no dimension (kept whole by FSDP2) saved under FULL_SHARD,
+    loaded under FULL_SHARD and under DDP."""
+    model, optimizer = prepared("full_shard", lr=SAVED_LR, cls=ScalarNet)
+    train(model, optimizer, local_batches(STEPS))
+    save_with_reference("scalars", model, optimizer)
+    found = {}
+    for strategy in ("full_shard", "ddp"):
+        model, optimizer = prepared(strategy, cls=ScalarNet)
+        found[strategy] = loaded_matches("scalars", model, optimizer)
+    return found
 
 
 @cases.case

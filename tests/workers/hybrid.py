@@ -14,7 +14,14 @@ from torch.distributed.tensor import DTensor
 # Each rank its own node, as torchrun --nnodes 2 --nproc-per-node 1 would set it.
 os.environ["LOCAL_WORLD_SIZE"] = "1"
 
-from _common import Cases, build, local_batches, reference_losses, train  # noqa: E402
+from _common import (  # noqa: E402
+    Cases,
+    ScalarNet,
+    build,
+    local_batches,
+    reference_losses,
+    train,
+)
 
 import autoshard  # noqa: E402
 
@@ -24,7 +31,10 @@ cases = Cases()
 
 @cases.case
 def reference() -> dict[str, Any]:
-    return {"losses": reference_losses(STEPS)}
+    return {
+        "losses": reference_losses(STEPS),
+        "scalar_losses": reference_losses(STEPS, cls=ScalarNet),
+    }
 
 
 @cases.case
@@ -44,6 +54,19 @@ def hybrid_forced() -> dict[str, Any]:
         "placements": [str(p) for p in param.placements] if isinstance(param, DTensor) else None,
         "losses": train(wrapped, optimizer, batches),
     }
+
+
+@cases.case
+def hybrid_scalars() -> dict[str, Any]:
+    """Parameters of no dimension, kept whole: averaged over both dimensions of the mesh."""
+    model, optimizer = build(cls=ScalarNet)
+    batches = local_batches(STEPS)
+    wrapped, _, plan = autoshard.prepare(
+        model, optimizer, batches[0], strategy="hybrid_shard", mixed_precision="no"
+    )
+    losses = train(wrapped, optimizer, batches)
+    scalars = [float(p.detach()) for p in model.parameters() if p.dim() == 0]
+    return {"strategy": plan.strategy.value, "losses": losses, "scalars": scalars}
 
 
 @cases.case

@@ -11,7 +11,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import LR, Cases, all_finite, build, is_fsdp, local_batches, reference_losses, train
+from _common import (
+    LR,
+    Cases,
+    ScalarNet,
+    all_finite,
+    build,
+    global_batches,
+    is_fsdp,
+    local_batches,
+    reference_losses,
+    train,
+)
 from torch import nn
 
 import autoshard
@@ -31,7 +42,55 @@ def reference() -> dict[str, Any]:
     return {
         "losses": reference_losses(STEPS),
         "fixed_batch_losses": reference_losses(LONG_STEPS, fixed=True, lr=LONG_LR),
+        **_scalar_reference(),
     }
+
+
+def _scalar_reference() -> dict[str, Any]:
+    """ScalarNet trained in one process on the global batches: its losses and its scalars."""
+    model, optimizer = build(cls=ScalarNet)
+    losses = train(model, optimizer, global_batches(STEPS))
+    return {"scalar_losses": losses, "scalars": _scalars(model)}
+
+
+def _scalars(model: nn.Module) -> dict[str, float]:
+    """The parameters of no dimension, by name: FSDP2 keeps them whole on every rank."""
+    return {name: float(p.detach()) for name, p in model.named_parameters() if p.dim() == 0}
+
+
+def _with_scalars(strategy: str, **options: Any) -> dict[str, Any]:
+    """ScalarNet (a gate per block, a temperature: parameters of no dimension, which FSDP2
+    refuses to shard) under a forced strategy: the losses and the scalars after training."""
+    model, optimizer = build(cls=ScalarNet)
+    batches = local_batches(STEPS)
+    wrapped, _, plan = autoshard.prepare(
+        model, optimizer, batches[0], strategy=strategy, mixed_precision="no", **options
+    )
+    info: dict[str, Any] = {
+        "strategy": plan.strategy.value,
+        "is_fsdp": is_fsdp(wrapped),
+        "scalar_types": sorted({type(p).__name__ for p in model.parameters() if p.dim() == 0}),
+        "reasons": plan.reasons,
+    }
+    if options.get("accumulation_steps") == 2:  # each batch as two micro-batches, sync on the last
+        from autoshard.wrap.apply import gradient_sync
+
+        losses = []
+        for batch in batches:
+            halves = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
+            with gradient_sync(wrapped, False):
+                first = wrapped(**halves[0])["loss"]
+                (first / 2).backward()
+            second = wrapped(**halves[1])["loss"]
+            (second / 2).backward()
+            losses.append((float(first) + float(second)) / 2)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        info["losses"] = losses
+    else:
+        info["losses"] = train(wrapped, optimizer, batches)
+    info["scalars"] = _scalars(model)
+    return info
 
 
 def _forced(
@@ -93,6 +152,14 @@ def parity_shard_grad_op() -> dict[str, Any]:
 @cases.case
 def parity_full_shard() -> dict[str, Any]:
     return _forced("full_shard", mixed_precision="no")
+
+
+for _strategy in ("shard_grad_op", "full_shard"):
+    cases.case(lambda s=_strategy: _with_scalars(s), name=f"scalars_{_strategy}")
+cases.case(
+    lambda: _with_scalars("full_shard", accumulation_steps=2),
+    name="scalars_full_shard_accumulating",
+)
 
 
 @cases.case
