@@ -22,6 +22,14 @@ The families, and what each exercises:
 - `t5`: T5ForConditionalGeneration, encoder-decoder with relative position biases.
 - `whisper`: WhisperForConditionalGeneration, speech: conv front end over log-mel features,
   encoder-decoder.
+- `wav2vec2`: Wav2Vec2ForCTC, speech from the raw waveform: a conv feature encoder with
+  GroupNorm, a grouped positional convolution, SpecAugment in training (random frames replaced
+  by a learned vector, `hidden[mask] = embedding`) and the CTC loss; LayerDrop off (at 0.1, its
+  default, it skips layers at random on each rank apart, which rules FSDP2 out).
+- `mamba`: MambaForCausalLM, a selective state-space model, no attention; without the
+  `mamba-ssm` kernels transformers runs its scan in torch, a Python loop over the tokens.
+- `clip`: CLIPModel, a text and a vision tower trained contrastively (its own loss,
+  `return_loss=True`), with a learned temperature of no dimension (`logit_scale`).
 - `vit`: ViTForImageClassification.
 - `convnext`: ConvNextForImageClassification, depthwise 7x7 convolutions, LayerNorm, stages.
 - `resnet_hf`: ResNetForImageClassification, BatchNorm (running statistics are buffers).
@@ -317,6 +325,74 @@ def whisper(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
         "labels": _tokens(n, g, seq=SEQ // 2),
     }
     return WhisperForConditionalGeneration(config), batch
+
+
+def wav2vec2(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_feat_extract_layers=2,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        pad_token_id=0,
+        ctc_loss_reduction="mean",
+        layerdrop=0.0,
+    )
+    batch = {
+        "input_values": torch.randn(n, 1600, generator=g),
+        "labels": torch.randint(1, 32, (n, 8), generator=g),
+    }
+    return Wav2Vec2ForCTC(config), batch
+
+
+def mamba(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(
+        vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=4, expand=2
+    )
+    return MambaForCausalLM(config), _lm_batch(n, g)
+
+
+def clip(n: int, g: torch.Generator) -> tuple[nn.Module, Any]:
+    from transformers import CLIPConfig, CLIPModel
+
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": SEQ,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        },
+        vision_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        projection_dim=32,
+    )
+    batch = {
+        "input_ids": _tokens(n, g),
+        "pixel_values": torch.randn(n, 3, 32, 32, generator=g),
+        "return_loss": True,
+    }
+    return CLIPModel(config), batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +702,9 @@ ENTRIES: dict[str, tuple[Factory, int, Callable[[Any, Any], torch.Tensor]]] = {
     "albert": (albert, 4, model_loss),
     "t5": (t5, 4, model_loss),
     "whisper": (whisper, 4, model_loss),
+    "wav2vec2": (wav2vec2, 4, model_loss),
+    "mamba": (mamba, 4, model_loss),
+    "clip": (clip, 4, model_loss),
     "vit": (vit, 4, model_loss),
     "convnext": (convnext, 4, model_loss),
     "resnet_hf": (resnet_hf, 4, model_loss),
@@ -661,8 +740,8 @@ def build(
     torch.manual_seed(seed)
     model, batch = factory(per_rank_batch or default_batch, _generator(seed, rank))
     model = _hf(model).to(device)
-    if isinstance(batch, dict):
-        batch = {k: v.to(device) for k, v in batch.items()}
+    if isinstance(batch, dict):  # tensors, and flags such as CLIP's return_loss=True
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     else:
         batch = tuple(t.to(device) for t in batch)
     return ZooModel(model, _adamw(model), batch, loss)
