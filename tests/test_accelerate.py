@@ -35,7 +35,7 @@ import autoshard.io.accelerate
 from autoshard.decide.blocks import find_blocks
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from _common import build, global_batches, shard  # noqa: E402
+from _common import ScalarNet, build, global_batches, shard  # noqa: E402
 
 LAUNCHER_VARS = (
     "RANK",
@@ -109,6 +109,20 @@ def test_hybrid_shard_plan_is_refused_with_what_accelerate_needs() -> None:
     plan = replace(plan, strategy=autoshard.Strategy.HYBRID_SHARD)
     with pytest.raises(ValueError, match="HYBRID_SHARD.*ParallelismConfig.*autoshard.prepare"):
         autoshard.accelerate_kwargs(plan, model)
+
+
+def test_a_sharded_plan_of_parameters_of_no_dimension_is_refused_for_accelerate() -> None:
+    """prepare keeps them whole under FSDP2 and averages their gradients; accelerate's plugin
+    would call fully_shard on them (refused) or, as ignored modules, not average them."""
+    model, _ = build(cls=ScalarNet)
+    plan, model = _plan(model, strategy="full_shard")
+    with pytest.raises(
+        ValueError, match=r"5 parameter\(s\) of no dimension.*'temperature'.*autoshard.prepare"
+    ):
+        autoshard.accelerate_kwargs(plan, model)
+    plan, model = _plan(model, strategy="ddp")
+    kwargs, _ = _kwargs(plan, model)
+    assert "fsdp_plugin" not in kwargs
 
 
 @pytest.mark.parametrize(("mp", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])

@@ -63,7 +63,8 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
 
     Raises:
         ValueError: `model` does not have the number of blocks the plan was made with, or the
-            plan's strategy has no accelerate equivalent here.
+            plan's strategy has no accelerate equivalent here (HYBRID_SHARD; a sharded plan of a
+            model with parameters of no dimension, which `prepare` keeps whole).
     """
     blocks = find_blocks(model)
     if len(blocks) != plan.num_blocks:
@@ -81,6 +82,16 @@ def accelerate_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
                 f"accelerate's configuration yet (accelerate shards over nodes with "
                 f"ParallelismConfig(dp_replicate_size=<nodes>, dp_shard_size=<ranks per node>)); "
                 f"train with autoshard.prepare instead"
+            )
+        whole = [name for name, param in model.named_parameters() if param.dim() == 0]
+        if whole:
+            raise ValueError(
+                f"the plan chose {plan.strategy}, but the model has {len(whole)} parameter(s) "
+                f"of no dimension (e.g. '{whole[0]}'), which FSDP2 cannot shard: "
+                f"autoshard.prepare keeps them whole and averages their gradients itself, "
+                f"accelerate's FSDP2 plugin does not (fully_shard refuses them, and as ignored "
+                f"modules their gradients would not be averaged); train with autoshard.prepare, "
+                f"or plan for accelerate with strategy='ddp'"
             )
         kwargs["fsdp_plugin"] = fsdp_plugin(plan, model, blocks)
         if 0 < plan.activation_checkpointing < plan.num_blocks:
