@@ -183,6 +183,10 @@ SYMBOLS: dict[str, Symbol] = {
         "torch._C:_current_graph_task_id",
         "backward formulas' plain-tensor branches, simulated and in the trial (wrap.branches)",
     ),
+    "_engine_run_backward": Symbol(
+        "torch.autograd.graph:_engine_run_backward",
+        "where autograd's engine is entered: the place a backward formula reads a value back",
+    ),
     # Not in torch.utils.flop_counter's __all__. Graceful where absent: torch's formulas count
     # unguarded (a formula that raises then fails the trace, as before issue 22).
     "flop_registry": Symbol(
@@ -326,6 +330,13 @@ def in_backward() -> bool:
     """Whether this thread runs the autograd engine's backward now (a graph task). Asked for
     every operator of a traced backward: the function is resolved once."""
     return bool(_graph_task_id()() != -1)
+
+
+@functools.cache
+def engine_entry() -> Any:
+    """The code object of the Python function that enters autograd's engine
+    (`loss.backward()`, `torch.autograd.grad`), to recognise its frame on a stack."""
+    return resolve("_engine_run_backward").__code__
 
 
 @functools.cache

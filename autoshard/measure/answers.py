@@ -67,6 +67,7 @@ import torch
 
 from autoshard._torch_compat import (
     TorchDispatchMode,
+    engine_entry,
     fake_empty,
     op_overload,
     op_overloads,
@@ -92,10 +93,6 @@ _AUTOSHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.se
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _NN = os.path.join(_TORCH, "nn", "")
 _MACHINERY = (_AUTOSHARD, os.path.join(_NN, "modules", "module.py"))
-# Where autograd's engine is entered (`loss.backward()`, `torch.autograd.grad`): an operator of a
-# backward formula has no line of the model's between it and there, and none beyond it is the
-# model's (the callers of autoshard, of its trace and of its simulation, which differ)
-_AUTOGRAD = (os.path.join(_TORCH, "autograd", "graph.py"), "_engine_run_backward")
 
 
 def _model_code(filename: str) -> bool:
@@ -110,12 +107,16 @@ def asked_at() -> str:
     nor beyond autograd's engine: a backward formula's is asked at "" (as on a device's own
     backward thread, where no Python frame is below the engine)."""
     places: list[str] = []
+    entry = engine_entry()
     frame: FrameType | None = inspect.currentframe()
     while frame is not None and len(places) < _FRAMES:
         name = frame.f_code.co_filename
         if places and name.startswith(_AUTOSHARD):
             break
-        if (name, frame.f_code.co_name) == _AUTOGRAD:
+        # autograd's engine entered here: an operator of a backward formula has no line of the
+        # model's between it and there, and none beyond it is the model's (the callers of
+        # autoshard, of its trace and of its simulation, which differ)
+        if frame.f_code is entry:
             break
         if _model_code(name):
             places.append(f"{name}:{frame.f_lineno}")
