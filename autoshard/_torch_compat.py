@@ -183,6 +183,23 @@ SYMBOLS: dict[str, Symbol] = {
         "torch._C:_current_graph_task_id",
         "backward formulas' plain-tensor branches, simulated and in the trial (wrap.branches)",
     ),
+    # Graceful where absent: gradients are summed out of place in the simulation, as before.
+    "_current_autograd_node": Symbol(
+        "torch._C:_current_autograd_node",
+        "summing gradients in place where autograd's engine would (wrap.branches)",
+    ),
+    "_use_count": Symbol(
+        "torch._C:TensorBase._use_count",
+        "summing gradients in place where autograd's engine would (wrap.branches)",
+    ),
+    "_storage_Use_Count": Symbol(
+        "torch._C:_storage_Use_Count",
+        "summing gradients in place where autograd's engine would (wrap.branches)",
+    ),
+    "_is_zerotensor": Symbol(
+        "torch._C:TensorBase._is_zerotensor",
+        "summing gradients in place where autograd's engine would (wrap.branches)",
+    ),
     "_engine_run_backward": Symbol(
         "torch.autograd.graph:_engine_run_backward",
         "where autograd's engine is entered: the place a backward formula reads a value back",
@@ -337,6 +354,45 @@ def engine_entry() -> Any:
     """The code object of the Python function that enters autograd's engine
     (`loss.backward()`, `torch.autograd.grad`), to recognise its frame on a stack."""
     return resolve("_engine_run_backward").__code__
+
+
+def autograd_node() -> Any:
+    """The autograd node whose backward this thread runs now (None outside backward)."""
+    return _autograd_node()()
+
+
+def holders(tensor: torch.Tensor) -> tuple[int, int]:
+    """How many references hold `tensor` and its storage, as autograd's engine counts them to
+    decide whether it may sum into the tensor in place (references of the caller included)."""
+    storage = tensor.untyped_storage()._cdata
+    return int(_use_count()(tensor)), int(_storage_use_count()(storage))
+
+
+def is_zero_tensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is one of autograd's immutable tensors of zeros (`_efficientzerotensor`)."""
+    return bool(resolve("_is_zerotensor")(tensor))
+
+
+@functools.cache
+def engine_sums_seen() -> bool:
+    """Whether this torch lets autoshard see which node runs and who holds a gradient."""
+    names = ("_current_autograd_node", "_use_count", "_storage_Use_Count", "_is_zerotensor")
+    return missing(*names) is None
+
+
+@functools.cache
+def _autograd_node() -> Callable[[], Any]:
+    return resolve("_current_autograd_node")  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _use_count() -> Callable[[torch.Tensor], int]:
+    return resolve("_use_count")  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _storage_use_count() -> Callable[[int], int]:
+    return resolve("_storage_Use_Count")  # type: ignore[no-any-return]
 
 
 @functools.cache
