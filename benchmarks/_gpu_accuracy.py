@@ -29,7 +29,7 @@ import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 from unittest import mock
@@ -40,6 +40,7 @@ from _gpu_models import Config, build, configs, models_for
 
 import autoshard
 import autoshard.pipeline as pipeline_module
+from autoshard._batch import tensors_in
 from autoshard._torch_compat import clear_cublas_workspaces
 from autoshard._world import World
 from autoshard.decide.blocks import find_blocks
@@ -100,7 +101,7 @@ class Meter:
                 "ooms": self._stat("num_ooms"),
             }
             return
-        live = LiveBytes([*held_tensors(model, optimizer), *batch])
+        live = LiveBytes([*held_tensors(model, optimizer), *tensors_in(batch)])
         # above the meter, whose mode would make backward formulas copy as for a subclass (as
         # the CPU trial's meter, `wrap.trial`)
         with live, PlainBranches():
@@ -122,10 +123,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step(model: Any, optimizer: Any, batch: tuple[Any, ...], loss_fn: Any, held: list[Any]) -> None:
+def step(model: Any, optimizer: Any, batch: Any, loss_fn: Any, held: list[Any]) -> None:
     """One step as a user's loop runs it, the output held through backward and the optimizer
-    step, and in `held` (a list of one item) until the next step's forward returns its own."""
-    held[0] = model(*batch)
+    step, and in `held` (a list of one item) until the next step's forward returns its own. A
+    dict batch is passed as keyword arguments, a tuple as positional ones (as `prepare` does)."""
+    held[0] = model(**batch) if isinstance(batch, Mapping) else model(*batch)
     loss = loss_fn(held[0], batch)
     loss.backward()
     optimizer.step()
@@ -301,15 +303,16 @@ def figures(
     plan: autoshard.Plan,
     meter: Meter,
     times: list[float],
-    inputs: PlanInputs,
+    inputs: PlanInputs | None,
     throughput: Throughput | None,
 ) -> dict[str, Any]:
+    """A row's figures; the cost model with `throughput` needs the plan's `inputs`."""
     candidate = chosen(plan)
     estimate = candidate.estimated_peak_bytes - candidate.footprint.overheads
     assert meter.peak is not None
     reserved = meter.reserved()
     modelled_measured = None
-    if throughput is not None:
+    if throughput is not None and inputs is not None:
         device_type, low = inputs.setting.device_type, inputs.setting.compute_bytes < 4
         hardware = hardware_for(device_type, _capability(device_type), low, throughput)
         modelled_measured = step_seconds(

@@ -27,6 +27,7 @@ the model with steady steps).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -75,22 +76,46 @@ def run(
     """Each model's row, as many as `deadline` (time.time()) holds; `progress` gets the result
     so far after each."""
     models = models_for(dry_run)
-    rows: list[dict[str, Any]] = []
+    entries = [
+        ({"model": name}, functools.partial(measure, name, models, device))
+        for name in (DRY_ORDER if dry_run else ORDER)
+    ]
+    return rows_within(entries, device, deadline, progress, _result)
+
+
+Row = dict[str, Any]
+
+
+def rows_within(
+    entries: list[tuple[Row, Callable[[], Row]]],
+    device: torch.device,
+    deadline: float,
+    progress: Callable[[Row], None],
+    result: Callable[[list[Row], list[str]], Row],
+) -> Row:
+    """Each entry's row (`measure()` in a one-rank group of its own), or its fields and why it
+    failed, as many as `deadline` (time.time()) holds: the rest are listed as skipped.
+    `progress` gets `result(rows, skipped)` so far after each row; the last is returned."""
+    rows: list[Row] = []
     skipped: list[str] = []
-    longest = 0.0
-    for name in DRY_ORDER if dry_run else ORDER:
+    longest = 0.0  # the longest row so far: the next may take as long
+    for fields, measure_one in entries:
         if time.time() + longest > deadline:
-            skipped.append(f"{name}: the section's time budget would be exceeded")
+            what = " ".join(str(value) for value in fields.values())
+            skipped.append(f"{what}: the section's time budget would be exceeded")
             continue
         started = time.time()
         try:
             with one_rank_group(device):
-                rows.append(measure(name, models, device))
-        except Exception as error:  # recorded; the next model still runs
-            rows.append({"model": name, "failed": f"{type(error).__name__}: {error}"[:1000]})
+                rows.append(measure_one())
+        except Exception as error:  # recorded; the next row still runs
+            rows.append({**fields, "failed": f"{type(error).__name__}: {error}"[:1000]})
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         longest = max(longest, time.time() - started)
-        progress(_result(rows, skipped))
-    return _result(rows, skipped)
+        progress(result(rows, skipped))
+    return result(rows, skipped)
 
 
 def measure(name: str, models: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -100,18 +125,8 @@ def measure(name: str, models: dict[str, Any], device: torch.device) -> dict[str
     if device.type == "cuda":
         torch.cuda.empty_cache()
     built = build(name, models, device)
-    # the device's and the host's figures measured again, as a launch does
-    device_module._cache.clear()
-    host_module._cache.clear()
     timer = _Phases()
-    with tempfile.TemporaryDirectory() as kept:
-        cache = {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": kept}
-        with mock.patch.dict(os.environ, cache), timer.patched():
-            started = time.perf_counter()
-            prepared = autoshard.prepare(
-                built.model, built.optimizer, built.batch, loss_fn=built.loss_fn
-            )
-            total = time.perf_counter() - started
+    prepared, total = first_launch(timer, built)
     plan = prepared.plan
     fit = next(a for a in plan.attempts if a.outcome == Outcome.FIT)
     decision = timer.seconds["decision"]
@@ -133,6 +148,22 @@ def measure(name: str, models: dict[str, Any], device: torch.device) -> dict[str
     }
     del prepared, built, plan
     return row
+
+
+def first_launch(timer: _Phases, built: Any, **options: Any) -> tuple[Any, float]:
+    """`autoshard.prepare(...)` of `built` (a `zoo.ZooModel`) with `options`, as a first launch:
+    autoshard's cache on in an empty directory, the device's and the host's figures measured
+    again; its phases timed into `timer`. Returns what it prepared and its wall seconds."""
+    device_module._cache.clear()
+    host_module._cache.clear()
+    with tempfile.TemporaryDirectory() as kept:
+        cache = {"AUTOSHARD_CACHE": "1", "AUTOSHARD_CACHE_DIR": kept}
+        with mock.patch.dict(os.environ, cache), timer.patched():
+            started = time.perf_counter()
+            prepared = autoshard.prepare(
+                built.model, built.optimizer, built.batch, loss_fn=built.loss_fn, **options
+            )
+            return prepared, time.perf_counter() - started
 
 
 def _cost_model(reasons: tuple[str, ...]) -> str | None:
@@ -186,18 +217,22 @@ class _Phases:
             yield
 
 
-def _result(rows: list[dict[str, Any]], skipped: list[str]) -> dict[str, Any]:
+def _result(rows: list[Row], skipped: list[str]) -> Row:
     done = [r for r in rows if "failed" not in r]
-    decisions = [r["decision_s"] for r in done]
     return {
         "rows": rows,
         "skipped": skipped,
         "target_s": DECISION_TARGET_S,
-        "summary": {
-            "models": len(done),
-            "failed": len(rows) - len(done),
-            "median_decision_s": statistics.median(decisions) if decisions else None,
-            "slowest_decision_s": max(decisions, default=None),
-            "within_target": sum(r["decision_within_target"] for r in done),
-        },
+        "summary": {"models": len(done), "failed": len(rows) - len(done), **decisions(done)},
+    }
+
+
+def decisions(rows: list[Row]) -> Row:
+    """The median and the slowest decision of `rows` (measured ones), and how many were within
+    the target."""
+    seconds = [r["decision_s"] for r in rows]
+    return {
+        "median_decision_s": statistics.median(seconds) if seconds else None,
+        "slowest_decision_s": max(seconds, default=None),
+        "within_target": sum(r["decision_within_target"] for r in rows),
     }

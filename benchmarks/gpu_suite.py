@@ -21,9 +21,14 @@ a hard stop (a section past its budget is killed and recorded; the next one stil
   peak statistics afterwards (`_gpu_checks.oom_fallback`);
 - prepare: `autoshard.prepare` under auto, as a first launch of a one-GPU torchrun job, timed by
   phase per model (decision, trace, simulations, wrapping, trial) against issue 24's 5 s, with
-  the plan's modelled step beside the trial's (`_gpu_prepare.py`). Last, as it is the newest:
-  with the suite's budget spent it is not run; `--sections prepare --budget prepare=300` runs
-  it alone, over every model (`--budget SECTION=SECONDS` sets any section's for one run).
+  the plan's modelled step beside the trial's (`_gpu_prepare.py`); with the suite's budget
+  spent it is not run; `--sections prepare --budget prepare=300` runs it alone, over every model
+  (`--budget SECTION=SECONDS` sets any section's for one run).
+- external: the external zoo's families (`zoo_external.py`, the held-out kind: transformers,
+  peft, plain torch) prepared under auto as a first launch (timed, against the same 5 s) and
+  forced to FULL_SHARD, each then stepped and its estimate measured against the allocator
+  (`_gpu_external.py`). Last, as it is the newest: its budget holds the first few families;
+  `--sections external --budget external=540` runs it alone, over the whole zoo.
 
 The sections other than tests run in one worker process (`--worker`), which is started again
 after a section that was killed or crashed it; the tests run first, while no other process of
@@ -61,16 +66,18 @@ WHEELS = HERE / "wheels"
 # calibration 0.4 s, accuracy about 7 s a configuration, oom 11 s. On one H200 (torch 2.11,
 # 2026-12-04): tests 96 s alone and past 110 s in the suite (the first test's set-up, CUDA's
 # start and the model's build, 38 s), compat 6 s, accuracy 33 of the 52 configurations in 297 s
-# (9 s each), oom 16 s, prepare 104 s for all 9 models (12 s each, the build included). The
+# (9 s each), oom 16 s, prepare 104 s for all 9 models (12 s each, the build included); the
+# external section never ran on a GPU (2026-12-07: 60 s taken from accuracy's 320 for it). The
 # sections run what their budgets hold, most telling first, and list the rest as skipped;
-# `--sections accuracy --budget accuracy=570` (or prepare) runs one section alone over more.
+# `--sections accuracy --budget accuracy=570` (or prepare, external) runs one section alone.
 BUDGETS = {
     "tests": (150, 120),
     "compat": (15, 60),
     "calibration": (10, 60),
-    "accuracy": (320, 180),
+    "accuracy": (260, 180),
     "oom": (20, 90),
     "prepare": (55, 120),
+    "external": (60, 150),
 }
 TOTAL_BUDGET_S = 570
 ORDER = tuple(BUDGETS)
@@ -291,12 +298,23 @@ def worker(out: Path, dry_run: bool, sections: list[str]) -> None:
 
         return _gpu_prepare.run(device, dry_run, deadline, progress)
 
+    def external() -> Any:
+        import _gpu_external
+
+        deadline = time.time() + BUDGETS["external"][1 if dry_run else 0] - 5
+
+        def progress(result: Any) -> None:
+            _write(state / "external.partial.json", json.dumps(result, indent=1))
+
+        return _gpu_external.run(device, dry_run, deadline, progress)
+
     bodies = {
         "compat": _gpu_compat.compat,
         "calibration": calibration,
         "accuracy": accuracy,
         "oom": oom,
         "prepare": prepare,
+        "external": external,
     }
     for name in sections:
         if not dry_run and not cuda:

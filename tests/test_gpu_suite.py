@@ -25,6 +25,7 @@ from autoshard.decide.hardware import Throughput, hardware_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import _gpu_accuracy  # noqa: E402
+import _gpu_external  # noqa: E402
 import _gpu_models  # noqa: E402
 import _gpu_prepare  # noqa: E402
 import gpu_suite  # noqa: E402
@@ -157,6 +158,51 @@ def test_dry_run_times_prepare_by_phase_for_each_model(dry_run: tuple[dict, str]
         assert row["decision_within_target"] == within
     assert prepare["summary"]["models"] == len(rows)
     assert "| model | params | plan | prepare | decision | trace |" in dry_run[1]
+
+
+@pytest.mark.slow  # the dry run: about a minute on 2 cores
+@pytest.mark.compat
+def test_dry_run_prepares_each_external_family_and_measures_its_estimate(
+    dry_run: tuple[dict, str],
+) -> None:
+    external = _section(dry_run[0], "external")
+    rows = external["rows"]
+    assert [(r["model"], r["mode"]) for r in rows] == [
+        (name, mode) for mode in _gpu_external.MODES for name in _gpu_external.DRY_ORDER
+    ]
+    for row in rows:
+        assert "failed" not in row, row
+        assert row["world_size"] == 1
+        assert row["estimate_bytes"] > 0 and row["measured_bytes"] > 0
+        assert (
+            row["error"] == (row["estimate_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+        )
+        assert row["problems"] == _gpu_accuracy.row_problems(row)
+        assert 0 < row["trace_s"] + row["simulations_s"] <= row["decision_s"]
+        assert row["decision_s"] + row["wrap_s"] + row["trial_s"] <= row["prepare_s"]
+        assert row["decision_within_target"] == (
+            row["decision_s"] <= _gpu_prepare.DECISION_TARGET_S
+        )
+        if row["mode"] == "auto":  # the trial proved the plan
+            assert row["trial_step_s"] > 0
+        else:  # forced, no trial
+            assert row["strategy"] == row["mode"] and row["trial_step_s"] is None
+    s = external["summary"]
+    assert s["rows"] == s["configurations"] == len(rows) and s["failed"] == 0
+    assert s["auto_rows"] == len(_gpu_external.DRY_ORDER)
+    markdown = dry_run[1]
+    assert "| model | mode | plan | params | estimate | measured | error | prepare |" in markdown
+    assert "| gpt2 | full_shard | full_shard AC 0/" in markdown
+    assert "- external: 2 row(s), estimate targets " in markdown
+
+
+def test_the_external_section_runs_every_family_of_the_zoo_once() -> None:
+    import zoo_external
+
+    gpu = _gpu_external.order(dry_run=False)
+    assert sorted(gpu) == sorted(zoo_external.ENTRIES)  # a new family is measured too
+    assert tuple(gpu[: len(_gpu_external.FIRST)]) == _gpu_external.FIRST
+    assert set(_gpu_external.DRY_ORDER) <= set(zoo_external.ENTRIES)
 
 
 def test_the_cost_model_is_read_whole_from_the_plan_s_reason() -> None:
