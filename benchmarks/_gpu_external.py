@@ -11,17 +11,18 @@ step".
 
 Each family, as a `torchrun --nproc-per-node 1` user's script runs it: one rank of a one-rank
 process group (NCCL; gloo on the CPU dry run), the model and batch on the device, AdamW with its
-defaults (foreach on CUDA), then
-- "auto": `autoshard.prepare(model, optimizer, batch, loss_fn=...)` with every choice left to
-  autoshard and its trial step, timed by phase as a first launch (`_gpu_prepare`: the cache on in
-  an empty directory, the device's and host's figures forgotten);
-- "full_shard": the same with `strategy="full_shard"` and no trial step (FSDP2 on NCCL at
-  world 1, which the auto plan of a small model never chooses);
-then, for each, one step and three measured steps of the prepared model, the estimate (tensor
-terms and cuBLAS workspaces) against `torch.cuda.max_memory_allocated` (`_gpu_accuracy`: on the
-CPU dry run, the live tensor bytes). All families' auto rows run first, then their FULL_SHARD
-rows, the families whose CUDA paths were never seen first: the section's budget skips what it
-cannot hold; `--sections external --budget external=540` runs it alone over more.
+defaults (foreach on CUDA), then `autoshard.prepare(model, optimizer, batch, loss_fn=...)` timed
+by phase as a first launch (`_gpu_prepare.first_launch`: the cache on in an empty directory, the
+device's and host's figures forgotten), in one of the `MODES`:
+- "auto": every choice left to autoshard, with its trial step;
+- "full_shard", "ddp", "full_shard_ac": that strategy forced (every block checkpointed for the
+  last), no trial: FSDP2 on NCCL, DDP's buckets, checkpointed blocks at world 1, which the auto
+  plan of a small model never chooses;
+then one step and three measured steps of the prepared model, the estimate (tensor terms and
+cuBLAS workspaces) against `torch.cuda.max_memory_allocated` (`_gpu_accuracy`: on the CPU dry
+run, the live tensor bytes, blind to kernels' scratch memory). Mode by mode, every family's row
+before the next mode's, the families whose CUDA paths were never seen first: the section's budget
+skips what it cannot hold; `--sections external --budget external=540` runs it alone over more.
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ from _gpu_prepare import DECISION_TARGET_S, _Phases, decisions, first_launch, ro
 FIRST = ("mamba", "clip", "wav2vec2", "swin", "segformer", "denoiser", "whisper", "mixtral")
 # The dry run (CPU): a transformers decoder with a tied head and a dict batch
 DRY_ORDER = ("gpt2",)
-MODES = ("auto", "full_shard")
+# How each row prepares, in the order the rows run: every choice left to autoshard (with its
+# trial), then strategies forced (no trial), FULL_SHARD first (FSDP2 on NCCL), DDP (its buckets),
+# FULL_SHARD with every block checkpointed
+FORCED = {"trial_step": False}
+MODES: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "full_shard": {"strategy": "full_shard", **FORCED},
+    "ddp": {"strategy": "ddp", **FORCED},
+    "full_shard_ac": {"strategy": "full_shard", "activation_checkpointing": True, **FORCED},
+}
 
 
 def order(dry_run: bool) -> list[str]:
@@ -76,9 +86,8 @@ def measure(name: str, mode: str, device: torch.device) -> dict[str, Any]:
         torch.cuda.empty_cache()
     meter = Meter(device)  # before the model: what it and its training allocate is counted
     built = zoo_external.build(name, device=device)
-    options: dict[str, Any] = {} if mode == "auto" else {"strategy": mode, "trial_step": False}
     timer = _Phases()
-    prepared, total = first_launch(timer, built, **options)
+    prepared, total = first_launch(timer, built, **MODES[mode])
     plan = prepared.plan
     times = run_steps(prepared.model, built.optimizer, built.batch, built.loss_fn, meter, device)
     row = figures(plan, meter, times, None, None)

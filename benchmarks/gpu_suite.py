@@ -25,10 +25,10 @@ a hard stop (a section past its budget is killed and recorded; the next one stil
   spent it is not run; `--sections prepare --budget prepare=300` runs it alone, over every model
   (`--budget SECTION=SECONDS` sets any section's for one run).
 - external: the external zoo's families (`zoo_external.py`, the held-out kind: transformers,
-  peft, plain torch) prepared under auto as a first launch (timed, against the same 5 s) and
-  forced to FULL_SHARD, each then stepped and its estimate measured against the allocator
-  (`_gpu_external.py`). Last, as it is the newest: its budget holds the first few families;
-  `--sections external --budget external=540` runs it alone, over the whole zoo.
+  peft, plain torch) prepared under auto as a first launch (timed, against the same 5 s), then
+  forced to FULL_SHARD, DDP and checkpointed FULL_SHARD, each stepped and its estimate measured
+  against the allocator (`_gpu_external.py`). Last, as it is the newest: its budget holds the
+  first few families; `--sections external --budget external=540` runs it alone, over more.
 
 The sections other than tests run in one worker process (`--worker`), which is started again
 after a section that was killed or crashed it; the tests run first, while no other process of

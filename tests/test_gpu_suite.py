@@ -186,14 +186,20 @@ def test_dry_run_prepares_each_external_family_and_measures_its_estimate(
         if row["mode"] == "auto":  # the trial proved the plan
             assert row["trial_step_s"] > 0
         else:  # forced, no trial
-            assert row["strategy"] == row["mode"] and row["trial_step_s"] is None
+            options = _gpu_external.MODES[row["mode"]]
+            assert row["strategy"] == options["strategy"] and row["trial_step_s"] is None
+            if options.get("activation_checkpointing") is True:
+                assert row["checkpointed"] == row["num_blocks"] > 0
+            else:
+                assert row["checkpointed"] == 0
     s = external["summary"]
     assert s["rows"] == s["configurations"] == len(rows) and s["failed"] == 0
     assert s["auto_rows"] == len(_gpu_external.DRY_ORDER)
     markdown = dry_run[1]
     assert "| model | mode | plan | params | estimate | measured | error | prepare |" in markdown
     assert "| gpt2 | full_shard | full_shard AC 0/" in markdown
-    assert "- external: 2 row(s), estimate targets " in markdown
+    assert "| gpt2 | ddp | ddp AC 0/" in markdown
+    assert f"- external: {len(rows)} row(s), estimate targets " in markdown
 
 
 def test_the_external_section_runs_every_family_of_the_zoo_once() -> None:
