@@ -67,8 +67,8 @@ def run(
     deadline: float,
     progress: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Every family's auto row, then every FULL_SHARD row, as many as `deadline` (time.time())
-    holds; `progress` gets the result so far after each."""
+    """Mode by mode (`MODES`), every family's row, as many as `deadline` (time.time()) holds;
+    `progress` gets the result so far after each."""
     entries = [
         ({"model": name, "mode": mode}, functools.partial(measure, name, mode, device))
         for mode in MODES
