@@ -118,6 +118,17 @@ class Meter:
         return self._reserved_peak - self.reserved_before
 
 
+def held_workspace_bytes(device: torch.device) -> int:
+    """The bytes the cuBLAS/cuBLASLt workspaces hold now, found by freeing them (torch makes them
+    again at the next matmul); 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear_cublas_workspaces()
+    return before - torch.cuda.memory_allocated(device)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

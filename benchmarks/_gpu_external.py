@@ -12,16 +12,18 @@ step".
 Each family, as a `torchrun --nproc-per-node 1` user's script runs it: one rank of a one-rank
 process group (NCCL; gloo on the CPU dry run), the model and batch on the device, AdamW with its
 defaults (foreach on CUDA), then `autoshard.prepare(model, optimizer, batch, loss_fn=...)` timed
-by phase as a first launch (`_gpu_prepare.first_launch`: the cache on in an empty directory, the
-device's and host's figures forgotten), in one of the `MODES`:
-- "auto": every choice left to autoshard, with its trial step;
+by phase (`_gpu_prepare.timed_prepare`) in one of the `MODES`:
+- "auto": every choice left to autoshard, with its trial, as a first launch (the cache on in an
+  empty directory, what the process measured before forgotten): issue 24's time;
 - "full_shard", "ddp", "full_shard_ac": that strategy forced (every block checkpointed for the
-  last), no trial: FSDP2 on NCCL, DDP's buckets, checkpointed blocks at world 1, which the auto
-  plan of a small model never chooses;
+  last), no trial, the cache off and the device's figures kept: FSDP2 on NCCL, DDP's buckets,
+  checkpointed blocks at world 1, which the auto plan of a small model never chooses;
 then one step and three measured steps of the prepared model, the estimate (tensor terms and
 cuBLAS workspaces) against `torch.cuda.max_memory_allocated` (`_gpu_accuracy`: on the CPU dry
-run, the live tensor bytes, blind to kernels' scratch memory). Mode by mode, every family's row
-before the next mode's, the families whose CUDA paths were never seen first: the section's budget
+run, the live tensor bytes, blind to kernels' scratch memory). A small model's peak is mostly
+the workspaces (2 x 32 MiB on an H100), which hide an error in its tensors: each row also gives
+the error with them left out of both sides (`tensor_error`; the measured ones freed after the
+steps to find their size). The rows run in `order`, the most telling first: the section's budget
 skips what it cannot hold; `--sections external --budget external=540` runs it alone over more.
 """
 
@@ -33,17 +35,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _gpu_accuracy import Meter, figures, row_problems, run_steps, summary
-from _gpu_prepare import DECISION_TARGET_S, _Phases, decisions, first_launch, rows_within
+from _gpu_accuracy import (
+    Meter,
+    figures,
+    held_workspace_bytes,
+    row_problems,
+    run_steps,
+    summary,
+)
+from _gpu_prepare import DECISION_TARGET_S, _Phases, decisions, rows_within, timed_prepare
 
 # First the families whose CUDA paths no GPU run has seen (RESULTS.md's owed lists), then the
 # rest of the zoo in its own order
 FIRST = ("mamba", "clip", "wav2vec2", "swin", "segformer", "denoiser", "whisper", "mixtral")
 # The dry run (CPU): a transformers decoder with a tied head and a dict batch
 DRY_ORDER = ("gpt2",)
-# How each row prepares, in the order the rows run: every choice left to autoshard (with its
-# trial), then strategies forced (no trial), FULL_SHARD first (FSDP2 on NCCL), DDP (its buckets),
-# FULL_SHARD with every block checkpointed
+# How each row prepares: every choice left to autoshard, as a first launch with its trial; then
+# a strategy forced, no trial, the process's measured figures kept (the plan made again): FSDP2
+# on NCCL, DDP's buckets, every block checkpointed
 FORCED = {"trial_step": False}
 MODES: dict[str, dict[str, Any]] = {
     "auto": {},
@@ -53,12 +62,20 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def order(dry_run: bool) -> list[str]:
+def order(dry_run: bool) -> list[tuple[str, str]]:
+    """(family, mode) in the order the rows run, most telling first, as the suite's budget holds
+    the first few: the first families' auto and FULL_SHARD rows (the CUDA kernels and FSDP2 on
+    NCCL no GPU run has seen), then mode by mode the rest."""
     import zoo_external
 
     if dry_run:
-        return list(DRY_ORDER)
-    return [*FIRST, *(name for name in zoo_external.ENTRIES if name not in FIRST)]
+        return [(name, mode) for mode in MODES for name in DRY_ORDER]
+    rest = [name for name in zoo_external.ENTRIES if name not in FIRST]
+    rows = [(name, mode) for name in FIRST for mode in ("auto", "full_shard")]
+    rows += [(name, mode) for mode in ("auto", "full_shard") for name in rest]
+    rows += [(name, mode) for mode in MODES if mode not in ("auto", "full_shard") for name in
+             (*FIRST, *rest)]  # fmt: skip
+    return rows
 
 
 def run(
@@ -67,18 +84,17 @@ def run(
     deadline: float,
     progress: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Mode by mode (`MODES`), every family's row, as many as `deadline` (time.time()) holds;
-    `progress` gets the result so far after each."""
+    """The rows in `order`, as many as `deadline` (time.time()) holds; `progress` gets the
+    result so far after each."""
     entries = [
         ({"model": name, "mode": mode}, functools.partial(measure, name, mode, device))
-        for mode in MODES
-        for name in order(dry_run)
+        for name, mode in order(dry_run)
     ]
     return rows_within(entries, device, deadline, progress, _result)
 
 
 def measure(name: str, mode: str, device: torch.device) -> dict[str, Any]:
-    """Family `name` prepared in `mode` as a first launch, then stepped and measured."""
+    """Family `name` prepared in `mode`, then stepped and measured."""
     import zoo_external
 
     gc.collect()
@@ -87,10 +103,15 @@ def measure(name: str, mode: str, device: torch.device) -> dict[str, Any]:
     meter = Meter(device)  # before the model: what it and its training allocate is counted
     built = zoo_external.build(name, device=device)
     timer = _Phases()
-    prepared, total = first_launch(timer, built, **MODES[mode])
+    prepared, total = timed_prepare(timer, built, first_launch=mode == "auto", **MODES[mode])
     plan = prepared.plan
     times = run_steps(prepared.model, built.optimizer, built.batch, built.loss_fn, meter, device)
     row = figures(plan, meter, times, None, None)
+    # The workspaces, a fixed 2 x 32 MiB on an H100, are most of a small model's peak: the
+    # tensor terms' error, without them on both sides, beside the whole one
+    held = held_workspace_bytes(device)
+    tensors = row["measured_bytes"] - held
+    estimated = row["estimate_bytes"] - row["footprint"]["workspace"]
     trial = [a.seconds for a in plan.attempts if a.seconds is not None]
     row.update(
         model=name,
@@ -103,10 +124,12 @@ def measure(name: str, mode: str, device: torch.device) -> dict[str, Any]:
         mixed_precision=plan.mixed_precision.value,
         params=sum(p.numel() for p in built.model.parameters()),
         trainable=sum(p.numel() for p in built.model.parameters() if p.requires_grad),
+        workspace_held_bytes=held,
+        tensor_error=(estimated - tensors) / tensors,
         prepare_s=total,
         **{f"{phase}_s": value for phase, value in timer.seconds.items()},
         fake_steps=timer.fake_steps,
-        trial_step_s=trial[-1] if trial else None,
+        trial_steps_s=trial[-1] if trial else None,  # its two steps (a fresh optimizer)
         decision_within_target=timer.seconds["decision"] <= DECISION_TARGET_S,
     )
     row["problems"] = row_problems(row)
@@ -122,10 +145,22 @@ def _result(rows: list[dict[str, Any]], skipped: list[str]) -> dict[str, Any]:
         "skipped": skipped,
         "target_s": DECISION_TARGET_S,
         "summary": {
-            **summary(done),  # the estimates against the targets
+            **_summarised(done, "error"),  # the estimates against issue 22's targets
+            "tensors": _summarised(done, "tensor_error"),  # the same, workspaces left out
             "rows": len(done),
             "failed": len(rows) - len(done),
             "auto_rows": len(auto),
-            **decisions(auto),  # prepare's time where it decided
+            **decisions(auto),  # prepare's time where it decided, as a first launch
         },
     }
+
+
+def _summarised(rows: list[dict[str, Any]], field: str) -> dict[str, Any]:
+    """`summary` of the rows with `field` as their error, its worst row named by family and mode
+    (`summary`'s label names the strategy the plan chose: two modes alike); `met` None where no
+    row was measured."""
+    if not rows:
+        return {"configurations": 0, "met": None}
+    found = summary([{**r, "error": r[field]} for r in rows])
+    worst = max(rows, key=lambda r: abs(r[field]))
+    return {**found, "worst_at": f"{worst['model']} {worst['mode']}"}
